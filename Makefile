@@ -1,0 +1,36 @@
+# Two commands do the whole set-up on a fresh machine (Python 3.11 + pip):
+#   make run    creates .venv on first use, then runs the default experiment
+#   make test   creates .venv on first use, then lint + type check + the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint typecheck pytest constraints clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m ddpexp $(ARGS)
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ddpexp tests scripts
+	$(VENV)/bin/ruff format --check ddpexp tests scripts
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+constraints: $(STAMP)
+	{ head -2 constraints.txt; $(PY) -m pip freeze --exclude-editable | sort -f; } > constraints.new && mv constraints.new constraints.txt
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache
