@@ -1,0 +1,52 @@
+"""`ddpexp --help`: the config groups and their options, one line each, read from conf/ itself
+(each YAML file's first comment line), so the help can never fall out of date."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Listed first, in this order; any other group folder in conf/ (except hydra) follows alphabetically.
+PREFERRED = ("strategy", "model", "data", "optim")
+
+USAGE = """\
+ddpexp: compare distributed training strategies on one model, from Hydra configs.
+
+Usage:
+  python -m ddpexp [group=option ...] [key=value ...]      one run
+  python -m ddpexp -m strategy=single,ddp [key=value ...]   a sweep (one job per combination)
+  torchrun --nproc_per_node=2 -m ddpexp strategy=ddp        as workers of an external launcher
+
+Config groups (pick one option each, e.g. strategy=ddp):
+{groups}
+
+Frequent settings (full list: python -m ddpexp --cfg job):
+  trainer.epochs=10  trainer.batch_size=64 (GLOBAL batch, split over ranks)  trainer.max_steps=...
+  backend=auto|nccl|gloo|mpi  init=env|tcp|file  device=auto|cpu|cuda  seed=0
+  dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)
+  loader.mode=auto|device|dataloader
+
+Outputs: each run directory holds config.yaml, plan.json, metrics.json, TensorBoard events and logs/.
+  tensorboard --logdir outputs/  (or a multirun/ sweep directory)
+
+Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m/--multirun, --config-dir DIR."""
+
+
+def first_comment(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("#") and not line.startswith("# @package"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def help_text(conf_dir: str) -> str:
+    root = Path(conf_dir)
+    lines = []
+    folders = [d.name for d in root.iterdir() if d.is_dir() and d.name not in ("hydra", "__pycache__")]
+    groups = [g for g in PREFERRED if g in folders] + sorted(set(folders) - set(PREFERRED))
+    for group in groups:
+        options = sorted((root / group).glob("*.yaml"))
+        lines.append(f"  {group}:")
+        width = max((len(p.stem) for p in options), default=0)
+        for p in options:
+            lines.append(f"    {p.stem.ljust(width)}  {first_comment(p)}")
+    return USAGE.format(groups="\n".join(lines))

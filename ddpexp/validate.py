@@ -1,0 +1,204 @@
+"""Turn a composed config into a launch plan, or refuse it: pure, no processes, no files written.
+
+`plan()` is a pure function of the config and the host's facts, so every refusal is unit-testable
+without GPUs. Everything a worker needs to know about the run's shape (world size, backend, per-rank
+batch) is decided here once, in the parent, and shipped to the workers with the config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from . import strategies
+from .errors import UserError
+
+BACKENDS = ("nccl", "gloo", "mpi")
+_COMBINED_BACKEND = re.compile(r"^(cpu|cuda):(nccl|gloo|mpi)(,(cpu|cuda):(nccl|gloo|mpi))*$")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What this machine can do, probed once in the parent (tests build it by hand)."""
+
+    cuda_devices: int
+    nccl: bool
+    gloo: bool
+    mpi: bool
+
+    @classmethod
+    def probe(cls) -> HostFacts:
+        import torch
+        import torch.distributed as dist
+
+        return cls(
+            cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            nccl=dist.is_available() and dist.is_nccl_available(),
+            gloo=dist.is_available() and dist.is_gloo_available(),
+            mpi=dist.is_available() and dist.is_mpi_available(),
+        )
+
+
+@dataclass(frozen=True)
+class ExternalWorld:
+    """The process layout an external launcher (torchrun) decided for us."""
+
+    world_size: int
+    local_world_size: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    launcher: str  # inprocess | spawn | torchrun
+    device_type: str  # cpu | cuda
+    backend: str | None  # None: no process group (single-process strategies)
+    init: str
+    world_size: int
+    nprocs_per_node: int
+    devices_per_process: int
+    global_batch: int
+    per_rank_batch: int
+    eval_per_rank_batch: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        return cls(**d)
+
+
+def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None) -> Plan:
+    strategy = strategies.get(cfg.strategy.name)
+    _check_sizes(cfg)
+    device_type = _device_type(cfg.device, host)
+    k = strategy.devices_per_process(cfg)
+    strategy.check(cfg, host)
+
+    if not strategy.USES_PROCESS_GROUP:
+        if external is not None and external.world_size > 1:
+            raise UserError(
+                f"strategy {cfg.strategy.name!r} is single-process but the launcher started "
+                f"{external.world_size} processes",
+                setting="strategy",
+                fix="use strategy=ddp under torchrun, or run without torchrun",
+            )
+        launcher, nprocs, world = "inprocess", 1, 1
+    elif external is not None:
+        launcher, nprocs, world = "torchrun", external.local_world_size, external.world_size
+    else:
+        launcher = "spawn"
+        nprocs = cfg.dist.nprocs if cfg.dist.nprocs is not None else _default_nprocs(device_type, host, k)
+        world = nprocs
+    if device_type == "cuda" and nprocs * k > host.cuda_devices:
+        raise UserError(
+            f"{nprocs} processes x {k} device(s) need {nprocs * k} GPUs; {host.cuda_devices} are visible",
+            setting="dist.nprocs",
+            fix=f"use dist.nprocs<={max(host.cuda_devices // k, 1)} or device=cpu",
+        )
+
+    backend = _backend(cfg.backend, device_type, host) if strategy.USES_PROCESS_GROUP else None
+    global_batch = cfg.trainer.batch_size
+    if global_batch % world:
+        raise UserError(
+            f"global batch {global_batch} does not split evenly over {world} ranks",
+            setting="trainer.batch_size",
+            fix=f"use a multiple of {world}, e.g. trainer.batch_size={_round_up(global_batch, world)}",
+        )
+    eval_global = cfg.trainer.eval_batch_size or global_batch
+    return Plan(
+        strategy=cfg.strategy.name,
+        launcher=launcher,
+        device_type=device_type,
+        backend=backend,
+        init=cfg.init.value if hasattr(cfg.init, "value") else str(cfg.init),
+        world_size=world,
+        nprocs_per_node=nprocs,
+        devices_per_process=k,
+        global_batch=global_batch,
+        per_rank_batch=global_batch // world,
+        eval_per_rank_batch=max(1, eval_global // world),
+    )
+
+
+def _check_sizes(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    positive = {
+        "trainer.epochs": t.epochs,
+        "trainer.batch_size": t.batch_size,
+        "trainer.eval_every_epochs": t.eval_every_epochs,
+        "trainer.log_every_steps": t.log_every_steps,
+        "dist.timeout_s": cfg.dist.timeout_s,
+    }
+    optional_positive = {
+        "trainer.max_steps": t.max_steps,
+        "trainer.eval_batch_size": t.eval_batch_size,
+        "dist.nprocs": cfg.dist.nprocs,
+    }
+    positive.update({k: v for k, v in optional_positive.items() if v is not None})
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
+    if cfg.loader.num_workers < 0:
+        raise UserError("must be >= 0", setting="loader.num_workers", fix="set loader.num_workers=0 or more")
+    port = cfg.dist.master_port
+    if port is not None and not 0 < port < 65536:
+        raise UserError(f"{port} is not a TCP port", setting="dist.master_port", fix="use 1..65535 or null")
+
+
+def _device_type(device: str, host: HostFacts) -> str:
+    if device == "auto":
+        return "cuda" if host.cuda_devices else "cpu"
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda":
+        if not host.cuda_devices:
+            raise UserError("no CUDA device is visible", setting="device", fix="use device=cpu (or auto)")
+        return "cuda"
+    raise UserError(f"unknown device {device!r}", setting="device", fix="use device=auto, cpu or cuda")
+
+
+def _default_nprocs(device_type: str, host: HostFacts, devices_per_process: int) -> int:
+    if device_type == "cuda":
+        return max(host.cuda_devices // devices_per_process, 1)
+    return 2
+
+
+def _backend(requested: str, device_type: str, host: HostFacts) -> str:
+    if requested == "auto":
+        return "nccl" if device_type == "cuda" and host.nccl else "gloo"
+    if requested in BACKENDS:
+        names = [requested]
+    elif _COMBINED_BACKEND.match(requested):
+        names = [part.split(":")[1] for part in requested.split(",")]
+    else:
+        raise UserError(
+            f"unknown backend {requested!r}",
+            setting="backend",
+            fix="use auto, nccl, gloo, mpi or a per-device form such as cpu:gloo,cuda:nccl",
+        )
+    if "nccl" in names and requested == "nccl" and device_type != "cuda":
+        raise UserError(
+            "nccl needs CUDA devices and this run is on the CPU",
+            setting="backend",
+            fix="use backend=gloo (or auto) on CPU",
+        )
+    if "nccl" in names and not host.nccl:
+        raise UserError("this PyTorch build has no NCCL", setting="backend", fix="use backend=gloo")
+    if "mpi" in names and not host.mpi:
+        raise UserError(
+            "this PyTorch build has no MPI support",
+            setting="backend",
+            fix="use backend=gloo (or nccl on GPUs), or build PyTorch from source with MPI",
+        )
+    if "gloo" in names and not host.gloo:
+        raise UserError("this PyTorch build has no gloo", setting="backend", fix="use backend=nccl or mpi")
+    return requested
+
+
+def _round_up(n: int, m: int) -> int:
+    return ((n + m - 1) // m) * m
