@@ -1,0 +1,227 @@
+"""Per-rank batch iterators. Two paths, one sample order:
+
+- device-resident (`TensorLoader`): the split lives as tensors on the training device and batches are
+  drawn by indexing, with no per-sample Python work at all;
+- DataLoader (`TorchLoader`): torch's DataLoader + DistributedSampler, for data that needs per-sample
+  CPU transforms or does not fit in memory.
+
+Both give every rank exactly the samples DistributedSampler would give it for the same seed, epoch and
+world size (`distributed_order`), so switching paths never changes what is trained on. Evaluation shards
+are exact: rank r takes samples r, r+W, r+2W... with no padding, so each sample is counted once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ..errors import UserError
+from . import Split
+
+Batch = tuple[Any, torch.Tensor]
+
+
+class Loader(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
+    def __iter__(self) -> Iterator[Batch]: ...
+    def __len__(self) -> int: ...
+
+
+def distributed_order(
+    n: int, *, rank: int, world: int, seed: int, epoch: int, shuffle: bool = True
+) -> torch.Tensor:
+    """The indices DistributedSampler(drop_last=False) yields on `rank`: a permutation seeded with
+    seed + epoch, padded by wrapping around to a multiple of `world`, then every world-th element."""
+    if shuffle:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    else:
+        order = torch.arange(n)
+    total = math.ceil(n / world) * world
+    if total > n:
+        order = torch.cat([order, order.repeat(math.ceil((total - n) / n))[: total - n]])
+    return order[rank:total:world]
+
+
+def exact_shard(n: int, *, rank: int, world: int) -> torch.Tensor:
+    """Evaluation shard: no shuffling, no padding, every sample on exactly one rank."""
+    return torch.arange(rank, n, world)
+
+
+class TensorLoader:
+    """Batches by indexing tensors that already sit on the training device."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        batch_size: int,
+        rank: int,
+        world: int,
+        seed: int,
+        device: torch.device,
+        train: bool,
+    ) -> None:
+        self.x = x.to(device)
+        self.y = y.to(device)
+        self.batch_size = batch_size
+        self.rank, self.world, self.seed = rank, world, seed
+        self.device = device
+        self.train = train
+        self.epoch = 0
+        per_rank = math.ceil(len(y) / world) if train else len(exact_shard(len(y), rank=rank, world=world))
+        # Training drops the last partial batch so every optimizer step sees the full global batch.
+        self._len = per_rank // batch_size if train else math.ceil(per_rank / batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def indices(self) -> torch.Tensor:
+        n = len(self.y)
+        if self.train:
+            return distributed_order(n, rank=self.rank, world=self.world, seed=self.seed, epoch=self.epoch)
+        return exact_shard(n, rank=self.rank, world=self.world)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Batch]:
+        idx = self.indices().to(self.device)
+        b = self.batch_size
+        for i in range(self._len):
+            sel = idx[i * b : (i + 1) * b]
+            yield self.x.index_select(0, sel), self.y.index_select(0, sel)
+
+
+class ShardSampler(Sampler[int]):
+    """DataLoader counterpart of `exact_shard`."""
+
+    def __init__(self, n: int, *, rank: int, world: int) -> None:
+        self.indices = exact_shard(n, rank=rank, world=world).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class TorchLoader:
+    """torch DataLoader on the host; batches are moved to the device as they come."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int,
+        rank: int,
+        world: int,
+        seed: int,
+        device: torch.device,
+        train: bool,
+        collate: Any,
+        num_workers: int,
+        pin_memory: bool,
+    ) -> None:
+        n = len(dataset)  # type: ignore[arg-type]
+        self.sampler: Sampler[int]
+        if train:
+            self.sampler = DistributedSampler(
+                dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False
+            )
+        else:
+            self.sampler = ShardSampler(n, rank=rank, world=world)
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            drop_last=train,
+            collate_fn=collate,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=num_workers > 0,
+        )
+        self.device = device
+        self.non_blocking = pin_memory
+
+    def set_epoch(self, epoch: int) -> None:
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for inputs, targets in self.loader:
+            yield (
+                to_device(inputs, self.device, self.non_blocking),
+                targets.to(self.device, non_blocking=self.non_blocking),
+            )
+
+
+def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device, non_blocking) for o in obj)
+    return obj
+
+
+def choose_mode(requested: str, split: Split, device: torch.device) -> str:
+    """`auto` keeps the data on the device when the split is plain tensors that fit comfortably."""
+    if requested == "dataloader":
+        return "dataloader"
+    fits = split.tensors is not None and _fits(split.tensors, device)
+    if requested == "device":
+        if split.tensors is None:
+            raise UserError(
+                "this dataset needs per-sample transforms, so it cannot be held as device tensors",
+                setting="loader.mode",
+                fix="use loader.mode=dataloader (or auto)",
+            )
+        return "device"
+    return "device" if fits else "dataloader"
+
+
+def _fits(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True  # the tensors are already in host memory; indexing them costs nothing extra
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return size < 0.25 * torch.cuda.get_device_properties(device).total_memory
+
+
+def build(
+    split: Split,
+    *,
+    mode: str,
+    batch_size: int,
+    rank: int,
+    world: int,
+    seed: int,
+    device: torch.device,
+    train: bool,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> Loader:
+    if mode == "device":
+        assert split.tensors is not None
+        x, y = split.tensors
+        return TensorLoader(
+            x, y, batch_size=batch_size, rank=rank, world=world, seed=seed, device=device, train=train
+        )
+    return TorchLoader(
+        split.dataset,
+        batch_size=batch_size,
+        rank=rank,
+        world=world,
+        seed=seed,
+        device=device,
+        train=train,
+        collate=split.collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
