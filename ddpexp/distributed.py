@@ -1,0 +1,67 @@
+"""Process-group set-up and the few collectives the engine needs (no-ops without a process group)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .context import RunContext
+
+log = logging.getLogger(__name__)
+
+
+def init_method_url(
+    ctx: RunContext, *, master_addr: str, master_port: int | None, init_file: Path | None
+) -> str:
+    """The init_method URL for this run's rendezvous (env://, tcp://host:port or file:///path)."""
+    init = ctx.plan.init
+    if init == "env":
+        return "env://"
+    if init == "tcp":
+        return f"tcp://{master_addr}:{master_port}"
+    if init == "file":
+        assert init_file is not None
+        return f"file://{init_file.resolve()}"
+    raise ValueError(f"unknown init method {init!r}")
+
+
+def start(ctx: RunContext, *, url: str, timeout_s: float, store: dist.Store | None = None) -> None:
+    """Join the process group. With a store (torchrun's rendezvous), the URL is not used."""
+    assert ctx.plan.backend is not None
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    timeout = timedelta(seconds=timeout_s)
+    if store is not None:
+        dist.init_process_group(
+            ctx.plan.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout
+        )
+    else:
+        dist.init_process_group(
+            ctx.plan.backend, init_method=url, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout
+        )
+    log.debug("rank %d/%d joined via %s (%s)", ctx.rank, ctx.world_size, url, ctx.plan.backend)
+
+
+def stop() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (and return it); identity without a process group."""
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()

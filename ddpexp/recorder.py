@@ -1,0 +1,141 @@
+"""Every rank-0-only effect lives here: TensorBoard events, metrics.json, console lines, progress bar.
+
+Other ranks get a `NullRecorder` with the same methods, so the engine calls them unconditionally and
+never checks its rank.
+
+TensorBoard tags (x axis = global optimizer step):
+  train/loss          mean training loss over the steps since the last log point (all ranks)
+  eval/loss, eval/acc exact loss and accuracy over the whole eval set
+  perf/samples_per_s  training samples per second over the epoch (all ranks together)
+  perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
+  opt/lr              learning rate of the first parameter group
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .fsutil import atomic_write_text
+
+log = logging.getLogger("ddpexp")
+T = TypeVar("T")
+
+METRICS_FILE = "metrics.json"
+TAGS = ("train/loss", "eval/loss", "eval/acc", "perf/samples_per_s", "perf/epoch_time_s", "opt/lr")
+
+
+class NullRecorder:
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def epoch(self, *, epoch: int, epochs: int, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def progress(self, items: Iterable[T], *, total: int, desc: str) -> Iterable[T]:
+        return items
+
+    def set_postfix(self, **values: float) -> None:
+        pass
+
+    def update(self, **fields: Any) -> None:
+        pass
+
+    def close(self, status: str, error: str | None = None) -> None:
+        pass
+
+
+class Recorder(NullRecorder):
+    def __init__(self, run_dir: Path, *, facts: dict[str, Any], progress: bool) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # heavy: only rank 0 of a run pays for it
+
+        self.run_dir = run_dir
+        self.writer = SummaryWriter(log_dir=str(run_dir))
+        self.show_progress = progress
+        self._bar: Any = None
+        self.metrics: dict[str, Any] = {
+            "status": "running",
+            "facts": facts,
+            "final": {},
+            "best": {},
+            "history": [],
+            "started_at": time.time(),
+        }
+        self._write_metrics()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+
+    def epoch(self, *, epoch: int, epochs: int, step: int, values: dict[str, float]) -> None:
+        self.scalars(step, values)
+        self.writer.flush()
+        self.metrics["history"].append({"epoch": epoch, "step": step, **values})
+        self.metrics["final"] = {"epoch": epoch, "step": step, **values}
+        if "eval/acc" in values and values["eval/acc"] > self.metrics["best"].get("eval/acc", -1.0):
+            self.metrics["best"] = {"epoch": epoch, "step": step, **values}
+        self._write_metrics()
+        log.info("%s", _summary_line(epoch, epochs, values))
+
+    def progress(self, items: Iterable[T], *, total: int, desc: str) -> Iterable[T]:
+        if not self.show_progress:
+            return items
+        return self._progress(items, total, desc)
+
+    def _progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T]:
+        from tqdm import tqdm
+
+        with tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stdout) as bar:
+            self._bar = bar
+            yield from bar
+        self._bar = None
+
+    def set_postfix(self, **values: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items()}, refresh=False)
+
+    def update(self, **fields: Any) -> None:
+        self.metrics.update(fields)
+        self._write_metrics()
+
+    def close(self, status: str, error: str | None = None) -> None:
+        self.metrics["status"] = status
+        self.metrics["wall_s"] = time.time() - self.metrics["started_at"]
+        if error:
+            self.metrics["error"] = error
+        self._write_metrics()
+        self.writer.close()
+
+    def _write_metrics(self) -> None:
+        atomic_write_text(self.run_dir / METRICS_FILE, json.dumps(self.metrics, indent=2, sort_keys=True))
+
+
+def open_recorder(
+    *, is_main: bool, run_dir: Path, facts: dict[str, Any], progress: bool | None
+) -> NullRecorder:
+    if not is_main:
+        return NullRecorder()
+    if progress is None:
+        progress = os.environ.get("DDPEXP_TTY") == "1" or sys.stdout.isatty()
+    return Recorder(run_dir, facts=facts, progress=progress)
+
+
+def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:
+    parts = [f"epoch {epoch}/{epochs}"]
+    if "train/loss" in v:
+        parts.append(f"train_loss {v['train/loss']:.4f}")
+    if "eval/loss" in v:
+        parts.append(f"eval_loss {v['eval/loss']:.4f}")
+    if "eval/acc" in v:
+        parts.append(f"eval_acc {100 * v['eval/acc']:.2f}%")
+    if "perf/samples_per_s" in v:
+        parts.append(f"{v['perf/samples_per_s']:,.0f} samples/s")
+    if "perf/epoch_time_s" in v:
+        parts.append(f"{v['perf/epoch_time_s']:.1f}s")
+    return "  ".join(parts)

@@ -1,0 +1,33 @@
+"""ddp: one process per device, DistributedDataParallel averages gradients with bucketed all-reduces
+that overlap the backward pass. Initial weights are broadcast from rank 0 when the wrapper is built."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch.nn.parallel import DistributedDataParallel
+
+from . import Wrapped
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..context import RunContext
+    from ..validate import HostFacts
+
+USES_PROCESS_GROUP = True
+
+
+def devices_per_process(cfg: object) -> int:
+    return 1
+
+
+def check(cfg: object, host: HostFacts) -> None:
+    return None
+
+
+def wrap(model: nn.Module, *, ctx: RunContext, cfg: object) -> Wrapped:
+    model = model.to(ctx.device)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync)
