@@ -1,0 +1,75 @@
+"""One job as the workers receive it: the resolved config, the launch plan, and where to write.
+
+The parent writes it into the run directory (config.yaml is the fully resolved config; plan.json the
+layout decided at launch); self-launched workers read it back from there, torchrun workers receive
+the same dictionary from rank 0 through the rendezvous store. Nobody but the parent calls Hydra.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import Config
+from .fsutil import atomic_write_text
+from .validate import Plan
+
+CONFIG_FILE = "config.yaml"
+PLAN_FILE = "plan.json"
+
+
+def typed(container: dict[str, Any]) -> DictConfig:
+    """A plain config dictionary back under the schema (attribute access, enums, validation)."""
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), container)
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    assert isinstance(container, dict)
+    container.pop("hydra", None)
+    return container  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: DictConfig
+    plan: Plan
+    run_dir: Path
+    choices: dict[str, str] = field(default_factory=dict)  # config-group options picked, e.g. model=convnet
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": resolved(self.cfg),
+            "plan": self.plan.to_dict(),
+            "run_dir": str(self.run_dir),
+            "choices": self.choices,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Job:
+        return cls(
+            cfg=typed(d["config"]),
+            plan=Plan.from_dict(d["plan"]),
+            run_dir=Path(d["run_dir"]),
+            choices=d["choices"],
+        )
+
+    def save(self) -> None:
+        d = self.to_dict()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(d["config"])))
+        atomic_write_text(
+            self.run_dir / PLAN_FILE, json.dumps({"plan": d["plan"], "choices": d["choices"]}, indent=2)
+        )
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Job:
+        config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG_FILE))
+        extra = json.loads((run_dir / PLAN_FILE).read_text())
+        return cls.from_dict({"config": config, "run_dir": str(run_dir), **extra})

@@ -1,0 +1,87 @@
+"""Checks that need to look at the world (dataset files, model construction, ports, the run dir),
+run in the parent before anything is launched. They read but never write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from . import optim
+from .errors import UserError
+from .validate import ExternalWorld, HostFacts, Plan, plan
+
+
+def check_job(
+    cfg: DictConfig,
+    host: HostFacts,
+    *,
+    external: ExternalWorld | None = None,
+    multirun: bool = False,
+    run_dir_checked: bool = False,
+) -> Plan:
+    p = plan(cfg, host, external)
+    optim.check(cfg.optim)
+    source = instantiate_data(cfg.data)
+    source.check()
+    check_model(cfg.model, source.info())
+    if p.launcher == "spawn":
+        check_port(cfg)
+    if not multirun and not run_dir_checked and "hydra" in cfg:
+        check_run_dir(Path(cfg.hydra.run.dir))
+    return p
+
+
+def instantiate_data(data_cfg: DictConfig) -> Any:
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(data_cfg)
+    except Exception as exc:
+        raise UserError(_cause(exc), setting="data", fix="check data._target_ and its arguments") from exc
+
+
+def check_model(model_cfg: DictConfig, info: Any) -> None:
+    """Build the model on the meta device: catches unknown arguments and data mismatches in
+    milliseconds, without allocating a single weight."""
+    import torch
+
+    from . import models
+
+    try:
+        with torch.device("meta"):
+            models.build(model_cfg, info)
+    except UserError:
+        raise
+    except Exception as exc:
+        target = OmegaConf.select(model_cfg, "_target_")
+        raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
+
+
+def check_port(cfg: DictConfig) -> None:
+    from .launch import port_is_free
+
+    port = cfg.dist.master_port
+    if port is not None and cfg.init.value in ("env", "tcp") and not port_is_free(cfg.dist.master_addr, port):
+        raise UserError(
+            f"port {port} on {cfg.dist.master_addr} is already in use",
+            setting="dist.master_port",
+            fix="pick another port, or leave dist.master_port unset to get a free one",
+        )
+
+
+def check_run_dir(run_dir: Path) -> None:
+    if (run_dir / "metrics.json").exists():
+        raise UserError(
+            f"{run_dir} already holds a run; starting another there would mix their results",
+            setting="hydra.run.dir",
+            fix="choose a new hydra.run.dir",
+        )
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of an instantiate() error chain, on one line."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return " ".join(str(exc).split()) or type(exc).__name__
