@@ -48,7 +48,7 @@ def distributed_order(
 
 def exact_shard(n: int, *, rank: int, world: int) -> torch.Tensor:
     """Evaluation shard: no shuffling, no padding, every sample on exactly one rank."""
-    return torch.arange(rank, n, world)
+    return torch.arange(rank, max(n, rank), world)  # empty when there are fewer samples than ranks
 
 
 class TensorLoader:
