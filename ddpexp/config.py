@@ -69,7 +69,8 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     epochs: int = 10
-    # Stop after this many optimizer steps even if epochs remain (None: run all epochs).
+    # Stop after this many optimizer steps even if epochs remain (None: run all epochs; 0: only
+    # evaluate the initial weights).
     max_steps: int | None = None
     # GLOBAL batch: samples per optimizer step summed over all ranks. Each of W ranks gets batch/W,
     # so runs with the same batch_size are comparable across strategies and world sizes.

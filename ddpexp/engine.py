@@ -56,6 +56,10 @@ class Engine:
 
     def fit(self) -> dict[str, float]:
         values: dict[str, float] = {}
+        if self._done():  # max_steps=0: score the initial weights only
+            values = self.evaluate()
+            self.recorder.epoch(epoch=0, epochs=self.s.epochs, step=0, values=values)
+            return values
         for epoch in range(self.s.epochs):
             values = self.train_epoch(epoch)
             last = epoch + 1 == self.s.epochs or self._done()
@@ -135,4 +139,4 @@ class Engine:
             sums[2] += targets.numel()
         module.train(was_training)
         loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
-        return {"eval/loss": loss_sum / count, "eval/acc": correct / count}
+        return {"eval/loss": loss_sum / count, "eval/acc": correct / count, "eval/samples": count}

@@ -135,7 +135,6 @@ def _check_sizes(cfg: DictConfig) -> None:
         "dist.timeout_s": cfg.dist.timeout_s,
     }
     optional_positive = {
-        "trainer.max_steps": t.max_steps,
         "trainer.eval_batch_size": t.eval_batch_size,
         "dist.nprocs": cfg.dist.nprocs,
     }
@@ -143,6 +142,12 @@ def _check_sizes(cfg: DictConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
+    if t.max_steps is not None and t.max_steps < 0:
+        raise UserError(
+            f"must be >= 0, got {t.max_steps}",
+            setting="trainer.max_steps",
+            fix="set trainer.max_steps=0 (evaluate the initial weights only) or more, or null",
+        )
     if cfg.loader.num_workers < 0:
         raise UserError("must be >= 0", setting="loader.num_workers", fix="set loader.num_workers=0 or more")
     port = cfg.dist.master_port
