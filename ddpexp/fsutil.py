@@ -28,13 +28,15 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     _fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    data = text.encode()
-
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     def write(f: IO[bytes]) -> None:
         f.write(data)
 
     atomic_write(path, write)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 def _umask() -> int:

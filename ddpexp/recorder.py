@@ -6,6 +6,7 @@ never checks its rank.
 TensorBoard tags (x axis = global optimizer step):
   train/loss          mean training loss over the steps since the last log point (all ranks)
   eval/loss, eval/acc exact loss and accuracy over the whole eval set
+  eval/samples        eval samples scored (always the eval set size: nothing counted twice)
   perf/samples_per_s  training samples per second over the epoch (all ranks together)
   perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
   opt/lr              learning rate of the first parameter group
@@ -22,13 +23,22 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger("ddpexp")
 T = TypeVar("T")
 
 METRICS_FILE = "metrics.json"
-TAGS = ("train/loss", "eval/loss", "eval/acc", "perf/samples_per_s", "perf/epoch_time_s", "opt/lr")
+MODEL_FILE = "model.pt"
+TAGS = (
+    "train/loss",
+    "eval/loss",
+    "eval/acc",
+    "eval/samples",
+    "perf/samples_per_s",
+    "perf/epoch_time_s",
+    "opt/lr",
+)
 
 
 class NullRecorder:
@@ -45,6 +55,9 @@ class NullRecorder:
         pass
 
     def update(self, **fields: Any) -> None:
+        pass
+
+    def save_model(self, state: dict[str, Any]) -> None:
         pass
 
     def close(self, status: str, error: str | None = None) -> None:
@@ -103,6 +116,17 @@ class Recorder(NullRecorder):
     def update(self, **fields: Any) -> None:
         self.metrics.update(fields)
         self._write_metrics()
+
+    def save_model(self, state: dict[str, Any]) -> None:
+        """The trained weights of the unwrapped model (no `module.` prefixes), loadable with
+        `model.load_state_dict(torch.load(path))` whatever strategy trained them."""
+        import io
+
+        import torch
+
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
+        atomic_write_bytes(self.run_dir / MODEL_FILE, buf.getvalue())
 
     def close(self, status: str, error: str | None = None) -> None:
         self.metrics["status"] = status

@@ -66,6 +66,7 @@ def fit_and_record(engine: Engine, recorder: NullRecorder) -> dict[str, float]:
     except BaseException as exc:
         recorder.close("interrupted" if getattr(exc, "interrupted", False) else "failed", error=repr(exc))
         raise
+    recorder.save_model(engine.model.base.state_dict())
     recorder.close("completed")
     return result
 
