@@ -1,0 +1,58 @@
+"""Helpers that drive ddpexp the way a user does: through its command line, in a scratch directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small, fast, BatchNorm-free experiment used by the multi-process tests.
+QUICK = ["model=mlp", "data=synthetic", "trainer.progress=false"]
+
+
+class Result:
+    def __init__(self, proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
+        self.proc = proc
+        self.cwd = cwd
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+
+    def __repr__(self) -> str:
+        return f"exit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+    def run_dirs(self) -> list[Path]:
+        """Every directory holding a config.yaml under the scratch directory: one per job."""
+        return sorted(p.parent for p in self.cwd.rglob("config.yaml") if ".hydra" not in p.parts)
+
+
+def run_ddpexp(
+    cwd: Path,
+    *args: str,
+    launcher: list[str] | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> Result:
+    cmd = [*(launcher or [sys.executable, "-m"]), "ddpexp", *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return Result(proc, cwd)
+
+
+def metrics(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    def call(*args: str, **kw: Any) -> Result:
+        return run_ddpexp(tmp_path, *args, **kw)
+
+    return call

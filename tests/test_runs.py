@@ -1,0 +1,174 @@
+"""End to end through the command line, the way users run ddpexp (CPU, gloo, 2-3 ranks)."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ddpexp import models
+from ddpexp.data.synthetic import synthetic
+from ddpexp.recorder import TAGS
+from ddpexp.train import seed_everything
+
+from .conftest import QUICK, metrics, run_ddpexp
+
+pytestmark = pytest.mark.multiproc
+
+FACT_KEYS = {
+    "strategy",
+    "backend",
+    "init_method",
+    "world_size",
+    "global_batch_size",
+    "per_rank_batch_size",
+    "device_type",
+}
+STEPS = 5
+PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+# ------------------------------------------------------------------------------------ default run
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory):
+    cwd = tmp_path_factory.mktemp("default")
+    return run_ddpexp(cwd)  # no arguments at all: the README's default experiment
+
+
+def test_default_run_reaches_95_percent_on_digits(default_run):
+    assert default_run.returncode == 0, default_run
+    (run_dir,) = default_run.run_dirs()
+    m = metrics(run_dir)
+    assert m["status"] == "completed"
+    assert m["facts"]["data"] == "digits" and m["facts"]["model"] == "convnet"
+    assert m["final"]["epoch"] == 10
+    assert m["final"]["eval/acc"] >= 0.95
+    assert m["final"]["eval/samples"] == m["facts"]["eval_samples"]
+
+
+def test_default_run_prints_epoch_summaries_and_the_run_dir(default_run):
+    lines = default_run.stdout.splitlines()
+    epochs = [ln for ln in lines if re.match(r"epoch \d+/10 ", ln)]
+    assert len(epochs) == 10
+    for word in ("train_loss", "eval_loss", "eval_acc", "samples/s"):
+        assert word in epochs[-1]
+    (run_dir,) = default_run.run_dirs()
+    assert lines[-1] == f"run dir: {run_dir}"
+
+
+def test_run_dir_holds_config_metrics_events_and_weights(default_run):
+    (run_dir,) = default_run.run_dirs()
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    assert "${" not in OmegaConf.to_yaml(cfg)  # fully resolved
+    assert cfg.trainer.batch_size == 64 and cfg.model._target_.endswith("convnet")
+    m = metrics(run_dir)
+    assert m["facts"].keys() >= FACT_KEYS
+    assert m["facts"]["strategy"] == "single" and m["facts"]["world_size"] == 1
+    assert m["best"]["eval/acc"] >= m["final"]["eval/acc"]
+    model = models.build(cfg.model, synthetic(shape=[1, 28, 28]).info())
+    model.load_state_dict(weights(run_dir))  # plain state dict of the unwrapped model
+
+
+def test_tensorboard_events_have_documented_tags_per_step(default_run):
+    (run_dir,) = default_run.run_dirs()
+    s = scalars(run_dir)
+    assert set(TAGS) <= s.keys()
+    steps_per_epoch = 1438 // 64
+    assert [step for step, _ in s["eval/acc"]] == [steps_per_epoch * e for e in range(1, 11)]
+    assert s["train/loss"][-1][1] < s["train/loss"][0][1]
+    assert all(v > 0 for _, v in s["perf/samples_per_s"])
+
+
+# ---------------------------------------------------------------------- DDP vs single, sweep naming
+
+
+@pytest.fixture(scope="module")
+def parity_sweep(tmp_path_factory: pytest.TempPathFactory):
+    cwd = tmp_path_factory.mktemp("sweep")
+    result = run_ddpexp(cwd, "-m", "strategy=single,ddp", *PARITY, "hydra.sweep.dir=sweep")
+    assert result.returncode == 0, result
+    return cwd / "sweep"
+
+
+def test_sweep_subdirs_are_named_after_the_overrides(parity_sweep: Path):
+    names = sorted(p.name for p in parity_sweep.iterdir() if p.is_dir())
+    assert names == ["strategy=ddp", "strategy=single"]
+    facts = metrics(parity_sweep / "strategy=ddp")["facts"]
+    assert (facts["world_size"], facts["backend"], facts["per_rank_batch_size"]) == (2, "gloo", 32)
+    assert scalars(parity_sweep / "strategy=ddp")["eval/acc"]  # rank 0 wrote the events...
+    assert len(list((parity_sweep / "strategy=ddp").glob("events.out.tfevents.*"))) == 1  # ...only rank 0
+
+
+def test_ddp_on_two_ranks_matches_single_process_with_the_same_global_batch(parity_sweep: Path):
+    single = weights(parity_sweep / "strategy=single")
+    ddp = weights(parity_sweep / "strategy=ddp")
+    for m in (metrics(parity_sweep / "strategy=single"), metrics(parity_sweep / "strategy=ddp")):
+        assert m["final"]["step"] == STEPS
+    cfg = OmegaConf.load(parity_sweep / "strategy=single" / "config.yaml")
+    seed_everything(cfg.seed)
+    initial = models.build(cfg.model, instantiate(cfg.data).info()).state_dict()
+    assert single.keys() == ddp.keys()
+    for name in single:
+        moved = (single[name] - initial[name]).abs().max().item()
+        assert moved > 1e-4, f"{name} did not train"
+        torch.testing.assert_close(ddp[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def test_torchrun_matches_self_launch_with_one_run_dir(parity_sweep: Path, tmp_path: Path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
+    result = run_ddpexp(tmp_path, "strategy=ddp", *PARITY, launcher=torchrun)
+    assert result.returncode == 0, result
+    (run_dir,) = result.run_dirs()
+    assert list((tmp_path / "outputs").glob("*/*")) == [run_dir]
+    facts = metrics(run_dir)["facts"]
+    assert facts["launcher"] == "torchrun" and facts["world_size"] == 2
+    self_launched = weights(parity_sweep / "strategy=ddp")
+    for name, value in weights(run_dir).items():
+        assert torch.equal(value, self_launched[name]), name
+    ours = metrics(run_dir)["final"]
+    theirs = metrics(parity_sweep / "strategy=ddp")["final"]
+    assert ours["eval/loss"] == theirs["eval/loss"] and ours["train/loss"] == theirs["train/loss"]
+
+
+# ------------------------------------------------------------------------------------- exact eval
+
+EVAL = [*QUICK, "data.num_eval=511", "trainer.max_steps=0", "trainer.batch_size=60"]
+
+
+@pytest.fixture(scope="module")
+def eval_single(tmp_path_factory: pytest.TempPathFactory):
+    result = run_ddpexp(tmp_path_factory.mktemp("eval1"), *EVAL)
+    assert result.returncode == 0, result
+    (run_dir,) = result.run_dirs()
+    return metrics(run_dir)["final"]
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_exact_eval_when_eval_set_is_not_divisible_by_world_size(eval_single, nprocs: int, tmp_path: Path):
+    assert 511 % nprocs != 0
+    result = run_ddpexp(tmp_path, "strategy=ddp", f"dist.nprocs={nprocs}", *EVAL)
+    assert result.returncode == 0, result
+    (run_dir,) = result.run_dirs()
+    ddp = metrics(run_dir)["final"]
+    assert ddp["eval/samples"] == eval_single["eval/samples"] == 511
+    assert ddp["eval/acc"] == eval_single["eval/acc"]
+    assert math.isclose(ddp["eval/loss"], eval_single["eval/loss"], rel_tol=1e-12)
