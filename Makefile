@@ -20,8 +20,8 @@ run: $(STAMP)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ddpexp tests scripts
-	$(VENV)/bin/ruff format --check ddpexp tests scripts
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -25,7 +25,7 @@ Frequent settings (full list: python -m ddpexp --cfg job):
   dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)
   loader.mode=auto|device|dataloader
 
-Outputs: each run directory holds config.yaml, plan.json, metrics.json, TensorBoard events and logs/.
+Outputs: each run directory holds config.yaml, plan.json, metrics.json, model.pt, TensorBoard events, logs/.
   tensorboard --logdir outputs/  (or a multirun/ sweep directory)
 
 Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m/--multirun, --config-dir DIR."""
