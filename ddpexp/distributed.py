@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -44,6 +45,14 @@ def start(ctx: RunContext, *, url: str, timeout_s: float, store: dist.Store | No
             ctx.plan.backend, init_method=url, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout
         )
     log.debug("rank %d/%d joined via %s (%s)", ctx.rank, ctx.world_size, url, ctx.plan.backend)
+
+
+def finish() -> None:
+    """After a successful run: free what still holds the process group (DDP's reducer sits in
+    reference cycles), then wait for every rank, so that no rank tears down its gloo/NCCL threads while
+    a peer is still talking to it. Skipping this makes a rank abort at interpreter exit now and then."""
+    gc.collect()
+    barrier()
 
 
 def stop() -> None:

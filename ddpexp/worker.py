@@ -47,7 +47,9 @@ def execute(job: Job, ctx: RunContext, *, url: str | None = None, store: Any = N
     if job.plan.backend is not None:
         distributed.start(ctx, url=url or "env://", timeout_s=job.cfg.dist.timeout_s, store=store)
     try:
-        return train.run(job, ctx)
+        result = train.run(job, ctx)
+        distributed.finish()
+        return result
     finally:
         distributed.stop()
 
