@@ -32,6 +32,13 @@ class LoaderMode(str, Enum):
 class StrategyConfig:
     # Which strategy module wraps the model: one file per name in ddpexp/strategies/.
     name: str = MISSING
+    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch) before
+    # wrapping. Strategies with a process group only (ddp, ddp_mp, naive_allreduce).
+    sync_bn: bool = False
+    # dp only: the GPUs DataParallel replicates over (None: every visible GPU).
+    device_ids: list[int] | None = None
+    # ddp_mp only: devices each process owns; the model is split into this many pipeline stages.
+    stages: int = 2
 
 
 @dataclass
@@ -44,6 +51,9 @@ class DistConfig:
     master_port: int | None = None
     # Timeout for process-group operations (collectives, barriers, rendezvous).
     timeout_s: float = 600.0
+    # init=file only: the rendezvous file, on a path every rank can see. None: a fresh file in the run
+    # directory. An existing file is refused (a stale one would join the wrong run); removed at the end.
+    init_file: str | None = None
 
 
 @dataclass

@@ -42,7 +42,9 @@ class RunContext:
         local_rank = int(env.get("LOCAL_RANK", 0))
         world = int(env.get("WORLD_SIZE", 1))
         k = plan.devices_per_process
-        if plan.device_type == "cuda":
+        if plan.device_ids is not None:
+            devices = tuple(torch.device("cuda", i) for i in plan.device_ids)
+        elif plan.device_type == "cuda":
             devices = tuple(torch.device("cuda", local_rank * k + i) for i in range(k))
         else:
             devices = tuple(torch.device("cpu") for _ in range(k))

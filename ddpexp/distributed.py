@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,21 +12,6 @@ import torch.distributed as dist
 from .context import RunContext
 
 log = logging.getLogger(__name__)
-
-
-def init_method_url(
-    ctx: RunContext, *, master_addr: str, master_port: int | None, init_file: Path | None
-) -> str:
-    """The init_method URL for this run's rendezvous (env://, tcp://host:port or file:///path)."""
-    init = ctx.plan.init
-    if init == "env":
-        return "env://"
-    if init == "tcp":
-        return f"tcp://{master_addr}:{master_port}"
-    if init == "file":
-        assert init_file is not None
-        return f"file://{init_file.resolve()}"
-    raise ValueError(f"unknown init method {init!r}")
 
 
 def start(ctx: RunContext, *, url: str, timeout_s: float, store: dist.Store | None = None) -> None:

@@ -126,7 +126,8 @@ class Engine:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Exact over the whole eval set: each rank scores its unpadded shard, sums are all-reduced."""
-        module = self.model.base
+        module = self.model.eval_module
+        assert module is not None
         was_training = module.training
         module.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count

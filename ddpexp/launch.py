@@ -109,16 +109,37 @@ def spawn(job: Job) -> int:
     logs = job.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     url = _init_url(job, addr, port)
-    workers = [
-        _start_worker(job, rank, addr=addr, port=port, url=url, logs=logs)
-        for rank in range(job.plan.world_size)
-    ]
-    return Supervisor(job, workers).wait()
+    try:
+        workers = [
+            _start_worker(job, rank, addr=addr, port=port, url=url, logs=logs)
+            for rank in range(job.plan.world_size)
+        ]
+        return Supervisor(job, workers).wait()
+    finally:
+        if job.plan.init == "file":
+            init_file(job).unlink(missing_ok=True)
+
+
+def init_file(job: Job) -> Path:
+    """init=file: the rendezvous file every rank opens (dist.init_file, or a fresh one in the run dir)."""
+    configured = job.cfg.dist.init_file
+    return Path(configured).resolve() if configured else job.run_dir / "rendezvous"
 
 
 def _init_url(job: Job, addr: str, port: int) -> str:
+    """How the workers find each other: env:// (MASTER_ADDR/PORT), tcp://addr:port, or file:///path."""
     if job.plan.init == "tcp":
         return f"tcp://{addr}:{port}"
+    if job.plan.init == "file":
+        path = init_file(job)
+        if path.exists():  # pre-flight checked; another run may have created it since
+            raise UserError(
+                f"rendezvous file {path} already exists (a stale file would join the wrong run)",
+                setting="dist.init_file",
+                fix="delete it if no run uses it, or choose another dist.init_file",
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"file://{path}"
     return "env://"
 
 

@@ -25,9 +25,10 @@ def check_job(
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
-    check_model(cfg.model, source.info())
+    check_model(cfg.model, source.info(), cfg)
     if p.launcher == "spawn":
         check_port(cfg)
+        check_init_file(cfg)
     if not multirun and not run_dir_checked and "hydra" in cfg:
         check_run_dir(Path(cfg.hydra.run.dir))
     return p
@@ -42,21 +43,24 @@ def instantiate_data(data_cfg: DictConfig) -> Any:
         raise UserError(_cause(exc), setting="data", fix="check data._target_ and its arguments") from exc
 
 
-def check_model(model_cfg: DictConfig, info: Any) -> None:
-    """Build the model on the meta device: catches unknown arguments and data mismatches in
-    milliseconds, without allocating a single weight."""
+def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> None:
+    """Build the model on the meta device: catches unknown arguments, data mismatches and models the
+    strategy cannot handle in milliseconds, without allocating a single weight."""
     import torch
 
-    from . import models
+    from . import models, strategies
 
     try:
         with torch.device("meta"):
-            models.build(model_cfg, info)
+            model = models.build(model_cfg, info)
     except UserError:
         raise
     except Exception as exc:
         target = OmegaConf.select(model_cfg, "_target_")
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
+    check_strategy_model = getattr(strategies.get(cfg.strategy.name), "check_model", None)
+    if check_strategy_model is not None:
+        check_strategy_model(model, cfg)
 
 
 def check_port(cfg: DictConfig) -> None:
@@ -68,6 +72,16 @@ def check_port(cfg: DictConfig) -> None:
             f"port {port} on {cfg.dist.master_addr} is already in use",
             setting="dist.master_port",
             fix="pick another port, or leave dist.master_port unset to get a free one",
+        )
+
+
+def check_init_file(cfg: DictConfig) -> None:
+    path = cfg.dist.init_file
+    if cfg.init.value == "file" and path is not None and Path(path).exists():
+        raise UserError(
+            f"rendezvous file {path} already exists (a stale file would join the wrong run)",
+            setting="dist.init_file",
+            fix="delete it if no run uses it, or leave dist.init_file unset for a fresh one in the run dir",
         )
 
 

@@ -116,6 +116,8 @@ def run_facts(
         "nprocs_per_node": p.nprocs_per_node,
         "nnodes": max(p.world_size // p.nprocs_per_node, 1),
         "devices_per_process": p.devices_per_process,
+        "replicas": p.replicas,
+        "sync_bn": bool(job.cfg.strategy.sync_bn),
         "global_batch_size": p.global_batch,
         "per_rank_batch_size": p.per_rank_batch,
         "device_type": p.device_type,

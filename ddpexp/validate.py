@@ -63,6 +63,8 @@ class Plan:
     global_batch: int
     per_rank_batch: int
     eval_per_rank_batch: int
+    replicas: int  # model replicas sharing one global batch (world size; DataParallel: its GPUs)
+    device_ids: list[int] | None = None  # explicit devices of this process (DataParallel)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,8 +78,8 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
     strategy = strategies.get(cfg.strategy.name)
     _check_sizes(cfg)
     device_type = _device_type(cfg.device, host)
-    k = strategy.devices_per_process(cfg)
-    strategy.check(cfg, host)
+    k = strategy.devices_per_process(cfg, device_type, host)
+    strategy.check(cfg, device_type, host)
 
     if not strategy.USES_PROCESS_GROUP:
         if external is not None and external.world_size > 1:
@@ -89,6 +91,13 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
             )
         launcher, nprocs, world = "inprocess", 1, 1
     elif external is not None:
+        if _init(cfg) != "env":
+            raise UserError(
+                f"init={_init(cfg)} is for self-launched runs; under torchrun the launcher's rendezvous "
+                "connects the ranks",
+                setting="init",
+                fix="drop the init override when running under torchrun",
+            )
         launcher, nprocs, world = "torchrun", external.local_world_size, external.world_size
     else:
         launcher = "spawn"
@@ -115,13 +124,15 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         launcher=launcher,
         device_type=device_type,
         backend=backend,
-        init=cfg.init.value if hasattr(cfg.init, "value") else str(cfg.init),
+        init=_init(cfg),
         world_size=world,
         nprocs_per_node=nprocs,
         devices_per_process=k,
         global_batch=global_batch,
         per_rank_batch=global_batch // world,
         eval_per_rank_batch=max(1, eval_global // world),
+        replicas=world if strategy.USES_PROCESS_GROUP else k,
+        device_ids=getattr(strategy, "device_ids", lambda *a: None)(cfg, device_type, host),
     )
 
 
@@ -203,6 +214,10 @@ def _backend(requested: str, device_type: str, host: HostFacts) -> str:
     if "gloo" in names and not host.gloo:
         raise UserError("this PyTorch build has no gloo", setting="backend", fix="use backend=nccl or mpi")
     return requested
+
+
+def _init(cfg: DictConfig) -> str:
+    return cfg.init.value if hasattr(cfg.init, "value") else str(cfg.init)
 
 
 def _round_up(n: int, m: int) -> int:

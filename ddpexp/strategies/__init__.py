@@ -3,8 +3,9 @@
 Every module exposes the same tiny interface:
 
 - ``USES_PROCESS_GROUP``: whether it runs as one process per rank with torch.distributed;
-- ``devices_per_process(cfg) -> int``: how many devices one process drives (the launcher's arithmetic);
-- ``check(cfg, host) -> None``: refuse combinations that cannot work (raise UserError), before launch;
+- ``devices_per_process(cfg, device_type, host) -> int``: devices one process drives (launch arithmetic);
+- ``check(cfg, device_type, host) -> None``: refuse combinations that cannot work, before launch;
+- ``check_model(model, cfg) -> None`` (optional): refuse a model it cannot handle (built on "meta");
 - ``wrap(model, *, ctx, cfg) -> Wrapped``: put the model on its device(s) and wrap it.
 
 Adding a strategy = one module here + one YAML in conf/strategy/ + one line in STRATEGIES.
@@ -13,18 +14,25 @@ Adding a strategy = one module here + one YAML in conf/strategy/ + one line in S
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from omegaconf import DictConfig
 from torch import nn
 
 from ..errors import UserError
 
+log = logging.getLogger(__name__)
+
 STRATEGIES: dict[str, str] = {
     "single": "ddpexp.strategies.single",
+    "dp": "ddpexp.strategies.dp",
     "ddp": "ddpexp.strategies.ddp",
+    "ddp_mp": "ddpexp.strategies.ddp_mp",
+    "naive_allreduce": "ddpexp.strategies.naive_allreduce",
 }
 
 
@@ -43,7 +51,8 @@ class Wrapped:
     """What the engine trains, so that it never needs to know which strategy it runs.
 
     ``module`` is called for training forward passes; ``base`` is the plain model underneath (its
-    state_dict is what checkpoints hold, and exact evaluation runs on it, collective-free).
+    state_dict is what checkpoints hold); ``eval_module`` runs evaluation on this process's shard
+    without any collective (default: ``base``; a multi-device pipeline for model parallelism).
     ``no_sync`` suppresses gradient synchronisation for all but the last micro-batch of an
     accumulated step; ``sync_grads`` runs after the last backward of a step, before the optimizer.
     """
@@ -52,3 +61,38 @@ class Wrapped:
     base: nn.Module
     no_sync: Callable[[], AbstractContextManager[object]] = field(default=nullcontext)
     sync_grads: Callable[[], None] = field(default=lambda: None)
+    eval_module: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if self.eval_module is None:
+            self.eval_module = self.base
+
+
+def refuse_sync_bn(cfg: DictConfig, name: str) -> None:
+    if cfg.strategy.sync_bn:
+        raise UserError(
+            f"strategy {name} has no process group to synchronize BatchNorm over",
+            setting="strategy.sync_bn",
+            fix="use strategy=ddp (or ddp_mp, naive_allreduce) with sync_bn, or strategy.sync_bn=false",
+        )
+
+
+def refuse_extras(cfg: DictConfig, name: str) -> None:
+    """Settings that belong to one strategy only must not be silently ignored by the others."""
+    if name != "dp" and cfg.strategy.device_ids is not None:
+        raise UserError(
+            f"device_ids is a DataParallel setting; strategy {name} does not use it",
+            setting="strategy.device_ids",
+            fix="use strategy=dp, or select devices with CUDA_VISIBLE_DEVICES",
+        )
+
+
+def maybe_sync_bn(model: nn.Module, cfg: DictConfig, device_type: str) -> nn.Module:
+    """Convert BatchNorm to synchronized BatchNorm when strategy.sync_bn is set (before wrapping)."""
+    if not cfg.strategy.sync_bn:
+        return model
+    from . import syncbn
+
+    if not syncbn.has_batchnorm(model):
+        log.warning("strategy.sync_bn=true but the model has no BatchNorm layer: nothing to synchronize")
+    return syncbn.convert(model, device_type)

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING
 
 from torch.nn.parallel import DistributedDataParallel
 
-from . import Wrapped
+from . import Wrapped, maybe_sync_bn, refuse_extras
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
     from torch import nn
 
     from ..context import RunContext
@@ -18,16 +19,16 @@ if TYPE_CHECKING:
 USES_PROCESS_GROUP = True
 
 
-def devices_per_process(cfg: object) -> int:
+def devices_per_process(cfg: DictConfig, device_type: str, host: HostFacts) -> int:
     return 1
 
 
-def check(cfg: object, host: HostFacts) -> None:
-    return None
+def check(cfg: DictConfig, device_type: str, host: HostFacts) -> None:
+    refuse_extras(cfg, "ddp")
 
 
-def wrap(model: nn.Module, *, ctx: RunContext, cfg: object) -> Wrapped:
-    model = model.to(ctx.device)
+def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
+    model = maybe_sync_bn(model, cfg, ctx.device.type).to(ctx.device)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids)
     return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync)
