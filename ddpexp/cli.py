@@ -97,16 +97,38 @@ def _preflight(args: Any) -> list[str]:
         jobs, varying = _expand(
             overrides, multirun=args.multirun, compose=lambda o: _compose(compose, name, o)
         )
-        host = HostFacts.probe()
+        local = HostFacts.probe()
         external = _external_world()
         for job_overrides in jobs:
-            check_job(_compose(compose, name, job_overrides), host, external=external, multirun=args.multirun)
+            cfg = _compose(compose, name, job_overrides)
+            host = _remote_host(cfg) or local
+            check_job(cfg, host, external=external, multirun=args.multirun)
     GlobalHydra.instance().clear()
     if not args.multirun or not varying:
         return []
     # Name sweep sub-directories after what varies between the jobs only (readable TensorBoard runs).
     constant = sorted({_key(o) for o in jobs[0]} - varying)
     return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(constant)}]"] if constant else []
+
+
+def _remote_host(cfg: DictConfig) -> Any:
+    """Jobs that a launcher plugin runs elsewhere (Slurm) are checked against that machine's declared
+    GPUs, not this one's: a login node without GPUs must not veto a GPU job. Their own host re-checks
+    everything before starting. One Slurm node and one task per job: ddpexp spawns the workers there."""
+    from .validate import HostFacts
+
+    launcher = cfg.hydra.launcher
+    if "BasicLauncher" in str(launcher.get("_target_", "BasicLauncher")):
+        return None
+    for key in ("nodes", "tasks_per_node"):
+        if launcher.get(key, 1) != 1:
+            raise UserError(
+                f"is {launcher.get(key)}; ddpexp runs one launcher task per node and starts one worker "
+                "per GPU itself",
+                setting=f"hydra.launcher.{key}",
+                fix=f"set hydra.launcher.{key}=1; for several nodes run torchrun inside sbatch (README)",
+            )
+    return HostFacts(cuda_devices=launcher.get("gpus_per_node") or 0, nccl=True, gloo=True, mpi=True)
 
 
 def _compose(compose: Callable[..., DictConfig], name: str, overrides: list[str]) -> DictConfig:

@@ -21,8 +21,11 @@ Config groups (pick one option each, e.g. strategy=ddp):
 
 Frequent settings (full list: python -m ddpexp --cfg job):
   trainer.epochs=10  trainer.batch_size=64 (GLOBAL batch, split over ranks)  trainer.max_steps=...
+  strategy.sync_bn=true (ddp, ddp_mp, naive_allreduce)  strategy.stages=2 (ddp_mp)
+  strategy.device_ids=[0,1] (dp)
   backend=auto|nccl|gloo|mpi  init=env|tcp|file  device=auto|cpu|cuda  seed=0
-  dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)
+  dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)  dist.timeout_s=600
+  hydra/launcher=slurm (with -m: one Slurm job per sweep job)
   loader.mode=auto|device|dataloader
 
 Outputs: each run directory holds config.yaml, plan.json, metrics.json, model.pt, TensorBoard events, logs/.

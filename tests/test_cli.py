@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_ddpexp
+from .conftest import REPO, run_ddpexp
 
 REFUSALS = [
     # (overrides, words the one-line error must contain)
@@ -18,12 +18,27 @@ REFUSALS = [
     (["optim.lr=-1"], ["optim.lr"]),
     (["strategy=ddp,single"], ["-m"]),
     (["-m", "strategy=ddp", "trainer.batch_size=64,65"], ["trainer.batch_size", "65"]),
+    (["strategy=ddp", "backend=mpi"], ["MPI", "backend=gloo"]),
+    (["strategy=ddp", "backend=tcp"], ["backend", "cpu:gloo,cuda:nccl"]),
+    (["strategy.sync_bn=true"], ["strategy.sync_bn", "strategy=ddp"]),
+    (["strategy=dp", "strategy.sync_bn=true"], ["strategy.sync_bn", "dp"]),
+    (["-m", "strategy=single,ddp", "strategy.sync_bn=true"], ["strategy.sync_bn"]),
+    (["strategy=ddp_mp", "strategy.stages=3", "model=mlp"], ["strategy.stages", "at most 2"]),
+    (
+        ["strategy=ddp_mp", "model=mlp", "~model.hidden", "model._target_=tests.user_models.unsplittable"],
+        ["stages()", "strategy=ddp"],
+    ),
+    (["strategy=dp", "strategy.device_ids=[0,1]"], ["strategy.device_ids", "CPU"]),
+    (["strategy=ddp", "strategy.device_ids=[0]"], ["strategy.device_ids", "strategy=dp"]),
+    (["strategy=ddp", "device=cuda"], ["device", "device=cpu"]),
+    (["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2"], ["hydra.launcher.nodes", "torchrun"]),
+    (["strategy=ddp", "init=bogus"], ["init", "bogus"]),
 ]
 
 
 @pytest.mark.parametrize(("args", "words"), REFUSALS, ids=[" ".join(a) for a, _ in REFUSALS])
 def test_bad_input_is_refused_in_one_line_before_anything_starts(tmp_path: Path, args, words):
-    result = run_ddpexp(tmp_path, *args, timeout=120)
+    result = run_ddpexp(tmp_path, *args, timeout=120, env={"PYTHONPATH": str(REPO)})
     assert result.returncode == 2, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddpexp: error: "), result
@@ -42,6 +57,15 @@ def test_a_run_never_reuses_a_directory_that_holds_results(tmp_path: Path):
     assert "already holds a run" in result.stderr
     assert (run_dir / "metrics.json").read_text() == '{"status": "completed"}'
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.json"]
+
+
+def test_a_stale_rendezvous_file_is_refused(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    stale = tmp_path_factory.mktemp("shared") / "rdzv"
+    stale.write_text("")
+    result = run_ddpexp(tmp_path, "strategy=ddp", "init=file", f"dist.init_file={stale}", timeout=120)
+    assert result.returncode == 2, result
+    assert "dist.init_file" in result.stderr and "already exists" in result.stderr
+    assert list(tmp_path.iterdir()) == [] and stale.exists()
 
 
 def test_help_lists_config_groups_with_one_line_each(tmp_path: Path):

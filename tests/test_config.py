@@ -79,3 +79,24 @@ def test_help_lists_every_group_and_option():
     for group, option in OPTIONS:
         assert group in text
         assert option in text
+
+
+def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node():
+    from hydra.utils import get_class
+
+    from ddpexp.cli import _remote_host
+
+    cfg = compose(
+        config_name="config",
+        overrides=["hydra/launcher=slurm", "strategy=ddp", "backend=nccl"],
+        return_hydra_config=True,
+    )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.nodes == 1
+    assert get_class(launcher._target_).__name__ == "SlurmLauncher"  # the plugin is installed
+    host = _remote_host(cfg)
+    assert host.cuda_devices == launcher.gpus_per_node
+    p = plan(cfg, host)  # nccl is fine on the GPU node, although this machine has none
+    assert (p.backend, p.world_size) == ("nccl", launcher.gpus_per_node)
+    local = compose(config_name="config", return_hydra_config=True)
+    assert _remote_host(local) is None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -101,28 +103,33 @@ def test_tensorboard_events_have_documented_tags_per_step(default_run):
 # ---------------------------------------------------------------------- DDP vs single, sweep naming
 
 
+STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
+
+
 @pytest.fixture(scope="module")
 def parity_sweep(tmp_path_factory: pytest.TempPathFactory):
     cwd = tmp_path_factory.mktemp("sweep")
-    result = run_ddpexp(cwd, "-m", "strategy=single,ddp", *PARITY, "hydra.sweep.dir=sweep")
+    result = run_ddpexp(cwd, "-m", f"strategy={','.join(STRATEGIES)}", *PARITY, "hydra.sweep.dir=sweep")
     assert result.returncode == 0, result
     return cwd / "sweep"
 
 
 def test_sweep_subdirs_are_named_after_the_overrides(parity_sweep: Path):
     names = sorted(p.name for p in parity_sweep.iterdir() if p.is_dir())
-    assert names == ["strategy=ddp", "strategy=single"]
+    assert names == sorted(f"strategy={s}" for s in STRATEGIES)
     facts = metrics(parity_sweep / "strategy=ddp")["facts"]
     assert (facts["world_size"], facts["backend"], facts["per_rank_batch_size"]) == (2, "gloo", 32)
     assert scalars(parity_sweep / "strategy=ddp")["eval/acc"]  # rank 0 wrote the events...
     assert len(list((parity_sweep / "strategy=ddp").glob("events.out.tfevents.*"))) == 1  # ...only rank 0
 
 
-def test_ddp_on_two_ranks_matches_single_process_with_the_same_global_batch(parity_sweep: Path):
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_every_strategy_matches_single_process_with_the_same_global_batch(parity_sweep: Path, strategy: str):
     single = weights(parity_sweep / "strategy=single")
-    ddp = weights(parity_sweep / "strategy=ddp")
-    for m in (metrics(parity_sweep / "strategy=single"), metrics(parity_sweep / "strategy=ddp")):
+    ddp = weights(parity_sweep / f"strategy={strategy}")
+    for m in (metrics(parity_sweep / "strategy=single"), metrics(parity_sweep / f"strategy={strategy}")):
         assert m["final"]["step"] == STEPS
+        assert m["facts"]["global_batch_size"] == 64
     cfg = OmegaConf.load(parity_sweep / "strategy=single" / "config.yaml")
     seed_everything(cfg.seed)
     initial = models.build(cfg.model, instantiate(cfg.data).info()).state_dict()
@@ -131,6 +138,26 @@ def test_ddp_on_two_ranks_matches_single_process_with_the_same_global_batch(pari
         moved = (single[name] - initial[name]).abs().max().item()
         assert moved > 1e-4, f"{name} did not train"
         torch.testing.assert_close(ddp[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def test_strategy_facts(parity_sweep: Path):
+    facts = {s: metrics(parity_sweep / f"strategy={s}")["facts"] for s in STRATEGIES}
+    assert facts["dp"]["replicas"] == 1 and facts["dp"]["world_size"] == 1  # no GPU: one CPU replica
+    assert facts["ddp_mp"]["devices_per_process"] == 2 and facts["ddp_mp"]["world_size"] == 2
+    assert facts["naive_allreduce"]["replicas"] == 2 and facts["naive_allreduce"]["backend"] == "gloo"
+    assert facts["single"]["backend"] is None
+
+
+def test_init_methods_train_to_the_same_parameters_as_env(parity_sweep: Path, tmp_path: Path):
+    result = run_ddpexp(tmp_path, "-m", "strategy=ddp", "init=tcp,file", *PARITY, "hydra.sweep.dir=s")
+    assert result.returncode == 0, result
+    env = weights(parity_sweep / "strategy=ddp")
+    for init in ("tcp", "file"):
+        run_dir = tmp_path / "s" / f"init={init}"
+        assert metrics(run_dir)["facts"]["init_method"] == init
+        for name, value in weights(run_dir).items():
+            assert torch.equal(value, env[name]), (init, name)
+    assert not (tmp_path / "s" / "init=file" / "rendezvous").exists()  # removed at the end
 
 
 def test_torchrun_matches_self_launch_with_one_run_dir(parity_sweep: Path, tmp_path: Path):
@@ -172,3 +199,107 @@ def test_exact_eval_when_eval_set_is_not_divisible_by_world_size(eval_single, np
     assert ddp["eval/samples"] == eval_single["eval/samples"] == 511
     assert ddp["eval/acc"] == eval_single["eval/acc"]
     assert math.isclose(ddp["eval/loss"], eval_single["eval/loss"], rel_tol=1e-12)
+
+
+# --------------------------------------------------------------------------------------- SyncBN
+
+
+def test_sync_bn_ddp_trains_like_single_process_batchnorm(tmp_path: Path):
+    """End to end with the BatchNorm ConvNet: ddp+sync_bn equals single on the same global batch, weights
+    and running statistics alike; plain ddp (per-rank statistics) does not."""
+    bn = ["model=convnet", "data=synthetic", "trainer.progress=false", *PARITY[3:]]
+    single = run_ddpexp(tmp_path, *bn, "hydra.run.dir=single")
+    assert single.returncode == 0, single
+    sweep = run_ddpexp(
+        tmp_path, "-m", "strategy=ddp", "strategy.sync_bn=true,false", *bn, "hydra.sweep.dir=s"
+    )
+    assert sweep.returncode == 0, sweep
+    reference = weights(tmp_path / "single")
+    assert any("running_var" in name for name in reference)
+    synced = weights(tmp_path / "s" / "strategy.sync_bn=True")
+    for name, value in reference.items():
+        torch.testing.assert_close(synced[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
+    local = weights(tmp_path / "s" / "strategy.sync_bn=False")
+    assert not all(
+        torch.allclose(local[n].float(), v.float(), rtol=1e-4, atol=1e-5) for n, v in reference.items()
+    )
+    assert metrics(tmp_path / "s" / "strategy.sync_bn=True")["facts"]["sync_bn"] is True
+
+
+# ----------------------------------------------------------------------------- two nodes, torchrun
+
+
+def test_two_torchrun_nodes_on_localhost_make_one_run(parity_sweep: Path, tmp_path: Path):
+    from ddpexp.launch import free_port
+
+    port = free_port("127.0.0.1")
+
+    def node(rank: int) -> list[str]:
+        return [
+            sys.executable,
+            *("-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1"),
+            *("--master_addr=127.0.0.1", f"--master_port={port}", "-m"),
+        ]
+
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir(), node1.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    second = subprocess.Popen(
+        [*node(1), "ddpexp", "strategy=ddp", *PARITY],
+        cwd=node1,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        first = run_ddpexp(node0, "strategy=ddp", *PARITY, launcher=node(0))
+        out1, _ = second.communicate(timeout=120)
+    finally:
+        second.kill()
+    assert first.returncode == 0, first
+    assert second.returncode == 0, out1
+    (run_dir,) = first.run_dirs()
+    assert list(node1.iterdir()) == []  # the second node composed nothing and wrote nothing
+    facts = metrics(run_dir)["facts"]
+    assert (facts["world_size"], facts["nnodes"], facts["nprocs_per_node"]) == (2, 2, 1)
+    reference = weights(parity_sweep / "strategy=ddp")
+    for name, value in weights(run_dir).items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ a rank dies
+
+
+def test_a_rank_that_dies_stops_the_others_and_the_run_is_marked_failed(tmp_path: Path):
+    import signal
+    import time
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "ddpexp", "strategy=ddp", *QUICK, "trainer.epochs=500", "hydra.run.dir=run"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # wait until training is under way
+            m = tmp_path / "run" / "metrics.json"
+            if m.exists() and metrics(tmp_path / "run")["history"]:
+                break
+            time.sleep(0.2)
+        workers = [
+            p for p in psutil.Process(launcher.pid).children() if "ddpexp.worker" in " ".join(p.cmdline())
+        ]
+        assert len(workers) == 2
+        (victim,) = [p for p in workers if p.environ().get("RANK") == "1"]
+        victim.send_signal(signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1, err
+    assert "rank 1 of 2 failed: killed by SIGKILL" in err
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "failed" and "rank 1" in m["error"]

@@ -1,0 +1,80 @@
+"""Strategy pieces that need no process group: model splitting for ddp_mp, and the plan arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from torch import nn
+
+from ddpexp import models
+from ddpexp.cli import conf_dir
+from ddpexp.config import register_schema
+from ddpexp.errors import UserError
+from ddpexp.strategies.ddp_mp import Pipeline, group
+from ddpexp.validate import HostFacts, plan
+
+MODELS = sorted(f.stem for f in (Path(conf_dir()) / "model").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def hydra_conf():
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def test_group_makes_k_nonempty_consecutive_parts():
+    stages = [nn.Linear(10, 10), nn.Linear(10, 1000), nn.Linear(1000, 2), nn.Identity()]
+    for k in range(1, len(stages) + 1):
+        parts = group(stages, k)
+        assert len(parts) == k
+        flat = [m for part in parts for m in part]
+        assert flat == stages
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_shipped_model_splits_into_stages_that_compose_to_its_forward(name: str):
+    cfg = compose(config_name="config", overrides=[f"model={name}", "data=synthetic"])
+    model = models.build(cfg.model, instantiate(cfg.data).info()).eval()
+    x = torch.randn(3, 1, 28, 28)
+    n = len(model.stages())
+    for k in range(1, n + 1):
+        pipeline = Pipeline(group(list(model.stages()), k), [torch.device("cpu")] * k)
+        torch.testing.assert_close(pipeline(x), model(x), rtol=0, atol=0)
+
+
+def _host(gpus: int) -> HostFacts:
+    return HostFacts(cuda_devices=gpus, nccl=gpus > 0, gloo=True, mpi=False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "expect"),
+    [
+        (["strategy=ddp"], 8, dict(world_size=8, backend="nccl", per_rank_batch=8, replicas=8)),
+        (["strategy=ddp_mp"], 8, dict(world_size=4, devices_per_process=2, per_rank_batch=16)),
+        (["strategy=ddp_mp", "strategy.stages=4"], 8, dict(world_size=2, devices_per_process=4)),
+        (["strategy=dp"], 4, dict(world_size=1, replicas=4, device_ids=[0, 1, 2, 3], per_rank_batch=64)),
+        (["strategy=dp", "strategy.device_ids=[1,3]"], 4, dict(replicas=2, device_ids=[1, 3])),
+        (["strategy=dp"], 0, dict(replicas=1, device_type="cpu", device_ids=None)),
+        (["strategy=naive_allreduce", "backend='cpu:gloo,cuda:nccl'"], 2, dict(backend="cpu:gloo,cuda:nccl")),
+        (["strategy=ddp", "dist.nprocs=3", "trainer.batch_size=66"], 0, dict(world_size=3, backend="gloo")),
+    ],
+)
+def test_plan(overrides: list[str], gpus: int, expect: dict[str, object]):
+    p = plan(compose(config_name="config", overrides=overrides), _host(gpus))
+    for key, value in expect.items():
+        assert getattr(p, key) == value, key
+
+
+def test_gpu_layout_refusals():
+    with pytest.raises(UserError, match=r"dist\.nprocs"):
+        plan(compose(config_name="config", overrides=["strategy=ddp_mp", "dist.nprocs=3"]), _host(4))
+    with pytest.raises(UserError, match="device_ids"):
+        plan(compose(config_name="config", overrides=["strategy=dp", "strategy.device_ids=[4]"]), _host(4))
