@@ -55,6 +55,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def gather_objects(obj: object) -> list[object]:
+    """`obj` from every rank, in rank order (just [obj] without a process group)."""
+    if not active():
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

@@ -82,7 +82,12 @@ def load_data(source: DataSource, ctx: RunContext) -> Splits:
     if ctx.is_main:
         source.prepare(ctx.run_dir)
     distributed.barrier()
-    return source.load(ctx.run_dir)
+    splits = source.load(ctx.run_dir)
+    summary = (splits.fingerprint, len(splits.train.dataset), len(splits.eval.dataset))  # type: ignore[arg-type]
+    seen = distributed.gather_objects(summary)
+    if any(s != summary for s in seen):
+        raise RuntimeError(f"ranks loaded different data (fingerprint, train size, eval size): {seen}")
+    return splits
 
 
 def make_loader(job: Job, ctx: RunContext, splits: Splits, mode: str, *, train: bool) -> loaders.Loader:
@@ -127,6 +132,8 @@ def run_facts(
         "loader": loader,
         "seed": job.cfg.seed,
         "parameters": sum(t.numel() for t in model.parameters()),
+        "data_fingerprint": splits.fingerprint,
+        "vocab_size": splits.info.vocab_size,
         "train_samples": len(splits.train.dataset),  # type: ignore[arg-type]
         "eval_samples": len(splits.eval.dataset),  # type: ignore[arg-type]
         "torch": torch.__version__,

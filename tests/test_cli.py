@@ -33,6 +33,13 @@ REFUSALS = [
     (["strategy=ddp", "device=cuda"], ["device", "device=cpu"]),
     (["-m", "hydra/launcher=slurm", "hydra.launcher.nodes=2"], ["hydra.launcher.nodes", "torchrun"]),
     (["strategy=ddp", "init=bogus"], ["init", "bogus"]),
+    (
+        ["strategy=ddp", "data=mnist", "data.root=/nonexistent"],
+        ["/nonexistent", "data.download=true", "data=digits"],
+    ),
+    (["strategy=ddp", "data=imdb", "data.root=/nonexistent"], ["aclImdb", "data=digits"]),
+    (["model=gcnn"], ["token ids", "data=imdb"]),
+    (["-m", "data=mnist,cifar10", "data.root=/x"], ["data.root", "++data.root"]),
 ]
 
 

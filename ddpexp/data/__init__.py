@@ -18,10 +18,15 @@ class DataInfo:
     """What a model needs to know to fit the data (wired into the model's build function)."""
 
     num_classes: int
-    input_shape: tuple[int, ...]  # (C, H, W) for images
+    input_shape: tuple[int, ...]  # (C, H, W) for images; (L,) token ids for text
+    vocab_size: int | None = None  # text only: rows of the embedding table
+    pad_index: int | None = None  # text only: the padding token's id
 
     def model_kwargs(self) -> dict[str, Any]:
-        return {"num_classes": self.num_classes, "input_shape": list(self.input_shape)}
+        kwargs: dict[str, Any] = {"num_classes": self.num_classes, "input_shape": list(self.input_shape)}
+        if self.vocab_size is not None:
+            kwargs.update(vocab_size=self.vocab_size, pad_index=self.pad_index)
+        return kwargs
 
 
 @dataclass
@@ -31,6 +36,8 @@ class Split:
     # device-resident loader skip the DataLoader entirely.
     tensors: tuple[torch.Tensor, torch.Tensor] | None = None
     collate: Callable[[list[Any]], Any] | None = None
+    # Batch-level training augmentation, applied on the device (e.g. CIFAR crop + flip).
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_tensors(cls, x: torch.Tensor, y: torch.Tensor) -> Split:
@@ -42,6 +49,8 @@ class Splits:
     train: Split
     eval: Split
     info: DataInfo
+    # Identifies derived state that must be identical on every rank (e.g. a vocabulary's hash).
+    fingerprint: str | None = None
 
 
 class DataSource:
@@ -60,3 +69,19 @@ class DataSource:
 
     def load(self, work_dir: Path) -> Splits:
         raise NotImplementedError
+
+
+def resolve_root(root: str) -> Path:
+    """Dataset roots are relative to the directory ddpexp was started from (never the run dir)."""
+    return Path(root).expanduser().resolve()
+
+
+def missing_files_error(name: str, expected: Path, setting_root: str) -> Exception:
+    from ..errors import UserError
+
+    return UserError(
+        f"{name} files not found at {expected} and data.download=false",
+        setting="data.root",
+        fix=f"set data.download=true (needs network), point data.root={setting_root} elsewhere, "
+        "or use data=digits (ships with scikit-learn)",
+    )

@@ -13,7 +13,7 @@ are exact: rank r takes samples r, r+W, r+2W... with no padding, so each sample 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -207,12 +207,49 @@ def build(
     num_workers: int = 0,
     pin_memory: bool = False,
 ) -> Loader:
+    loader: Loader
     if mode == "device":
         assert split.tensors is not None
         x, y = split.tensors
-        return TensorLoader(
+        loader = TensorLoader(
             x, y, batch_size=batch_size, rank=rank, world=world, seed=seed, device=device, train=train
         )
+    else:
+        loader = _torch_loader(split, batch_size, rank, world, seed, device, train, num_workers, pin_memory)
+    if train and split.augment is not None:
+        return Augmented(loader, split.augment)
+    return loader
+
+
+class Augmented:
+    """Training batches through a batch-level augmentation, applied on the device after loading."""
+
+    def __init__(self, loader: Loader, augment: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.loader = loader
+        self.augment = augment
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for inputs, targets in self.loader:
+            yield self.augment(inputs), targets
+
+
+def _torch_loader(
+    split: Split,
+    batch_size: int,
+    rank: int,
+    world: int,
+    seed: int,
+    device: torch.device,
+    train: bool,
+    num_workers: int,
+    pin_memory: bool,
+) -> TorchLoader:
     return TorchLoader(
         split.dataset,
         batch_size=batch_size,
