@@ -74,6 +74,18 @@ class OptimConfig:
     nesterov: bool = False  # sgd only
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
     eps: float = 1e-8  # adamw only
+    # Fused kernels (one kernel for all parameters). None: torch's default (foreach where supported).
+    fused: bool | None = None
+    # LR scaling with the global batch: lr_used = lr * f(batch_size / ref_batch_size), f = none |
+    # linear | sqrt. Logged (facts.lr_used) so runs at different batch sizes stay comparable.
+    scale_rule: str = "none"
+    ref_batch_size: int = 64
+    # LR schedule over optimizer steps: constant | step | cosine, after `warmup_steps` of linear warmup.
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    step_size: int = 1000  # step: multiply by gamma every step_size optimizer steps
+    gamma: float = 0.1
+    min_lr_ratio: float = 0.0  # cosine: final lr = lr_used * min_lr_ratio
 
 
 @dataclass
@@ -92,6 +104,36 @@ class TrainerConfig:
     log_every_steps: int = 10
     # Progress bar on rank 0. None: only when the output is a terminal.
     progress: bool | None = None
+    # Also evaluate every this many optimizer steps (None: at epoch ends only).
+    eval_every_steps: int | None = None
+    # train | eval. eval: score the weights of trainer.resume without training.
+    mode: str = "train"
+    # 32 | bf16 | fp16 (autocast; fp16 uses a GradScaler and needs CUDA).
+    precision: str = "32"
+    # Micro-batches per optimizer step. Global batch = per-rank micro-batch x accumulate x world size.
+    accumulate: int = 1
+    # Clip the (synchronised) gradient to this total L2 norm (None: no clipping).
+    clip_grad_norm: float | None = None
+    # torch.compile the training model; channels_last memory format for 4-D inputs (conv nets, GPU).
+    compile: bool = False
+    channels_last: bool = False
+    # torch.use_deterministic_algorithms(True) (slower; same results run to run on the same machine).
+    deterministic: bool = False
+    # null: start fresh. auto: continue from the newest valid checkpoint in the run directory (fresh
+    # if none). A path: that checkpoint file (refused if missing or unreadable).
+    resume: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every this many epochs and/or optimizer steps (null: never on that trigger).
+    every_epochs: int | None = 1
+    every_steps: int | None = None
+    # Periodic checkpoints kept (older ones deleted); best.pt is kept separately.
+    keep_last_k: int = 2
+    # Which eval metric decides best.pt, and whether higher (max) or lower (min) is better.
+    best_metric: str = "eval/acc"
+    best_mode: str = "max"
 
 
 @dataclass
@@ -103,6 +145,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # auto | nccl | gloo | mpi (auto: nccl with GPUs, gloo without).
     backend: str = "auto"
     init: InitMethod = InitMethod.env

@@ -1,15 +1,22 @@
 """The training and evaluation loop, shared by every strategy and blind to which one it runs.
 
 What differs between strategies reaches the loop only through `Wrapped` (no_sync, sync_grads, the
-base module for evaluation). The hot loop never reads a device value: the running loss is summed on
-the device and read once per log point, so GPU work is never stalled by the host.
+module for evaluation). The hot loop never reads a device value: the running loss is summed on the
+device and read once per log point, so GPU work is never stalled by the host.
+
+One optimizer step = `accumulate` micro-batches; gradient synchronisation is skipped (no_sync) on all
+but the last. Where training stands (epoch, step, step_in_epoch) is all a checkpoint needs to resume
+at the next batch: the sample order is a pure function of (seed, epoch, world size).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +28,8 @@ from .strategies import Wrapped
 
 log = logging.getLogger(__name__)
 
+AUTOCAST = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class LoopSettings:
@@ -29,6 +38,23 @@ class LoopSettings:
     log_every_steps: int
     eval_every_epochs: int
     global_batch: int
+    eval_every_steps: int | None = None
+    accumulate: int = 1
+    precision: str = "32"
+    clip_grad_norm: float | None = None
+    channels_last: bool = False
+    checkpoint_every_epochs: int | None = None
+    checkpoint_every_steps: int | None = None
+
+
+@dataclass
+class Position:
+    """Where training stands: `epoch` is the epoch in progress (0-based), `step_in_epoch` the optimizer
+    steps already taken in it, `step` the global optimizer step count."""
+
+    epoch: int = 0
+    step: int = 0
+    step_in_epoch: int = 0
 
 
 class Engine:
@@ -42,6 +68,9 @@ class Engine:
         recorder: NullRecorder,
         settings: LoopSettings,
         device: torch.device,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        on_checkpoint: Callable[[Position, dict[str, float], bool], None] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -50,22 +79,46 @@ class Engine:
         self.recorder = recorder
         self.s = settings
         self.device = device
-        self.step = 0  # global optimizer steps taken
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.on_checkpoint = on_checkpoint
+        self.pos = Position()
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
+        self._params = [p for p in model.base.parameters() if p.requires_grad]
+        dtype = AUTOCAST[settings.precision]
+        self._autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            (lambda: torch.autocast(device_type=device.type, dtype=dtype))
+            if dtype is not None
+            else contextlib.nullcontext
+        )
+
+    @property
+    def step(self) -> int:
+        return self.pos.step
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train_loader) // self.s.accumulate
 
     def fit(self) -> dict[str, float]:
         values: dict[str, float] = {}
-        if self._done():  # max_steps=0: score the initial weights only
+        if self._done():  # max_steps=0 (or a finished run resumed): score the weights only
             values = self.evaluate()
-            self.recorder.epoch(epoch=0, epochs=self.s.epochs, step=0, values=values)
+            self.recorder.epoch(epoch=self.pos.epoch, epochs=self.s.epochs, step=self.step, values=values)
             return values
-        for epoch in range(self.s.epochs):
+        while self.pos.epoch < self.s.epochs:
+            epoch = self.pos.epoch
             values = self.train_epoch(epoch)
-            last = epoch + 1 == self.s.epochs or self._done()
+            ended = self.pos.step_in_epoch >= self.steps_per_epoch
+            last = (epoch + 1 == self.s.epochs and ended) or self._done()
             if (epoch + 1) % self.s.eval_every_epochs == 0 or last:
                 values.update(self.evaluate())
             self.recorder.epoch(epoch=epoch + 1, epochs=self.s.epochs, step=self.step, values=values)
+            if ended:
+                self.pos = Position(epoch=epoch + 1, step=self.step, step_in_epoch=0)
+            every = self.s.checkpoint_every_epochs
+            self._checkpoint(values, periodic=(every is not None and (epoch + 1) % every == 0) or last)
             if self._done():
                 break
         return values
@@ -75,44 +128,83 @@ class Engine:
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.module.train()
-        self.train_loader.set_epoch(epoch)
+        acc = self.s.accumulate
+        self.train_loader.set_epoch(epoch, start=self.pos.step_in_epoch * acc)
         epoch_loss = torch.zeros((), device=self.device)
-        steps = 0
+        micro = steps = 0
+        remaining = (self.steps_per_epoch - self.pos.step_in_epoch) * acc
         batches = self.recorder.progress(
-            self.train_loader, total=len(self.train_loader), desc=f"epoch {epoch + 1}/{self.s.epochs}"
+            self.train_loader, total=remaining, desc=f"epoch {epoch + 1}/{self.s.epochs}"
         )
         start = time.perf_counter()
         for inputs, targets in batches:
-            loss = self.train_step(inputs, targets)
+            last_micro = (micro + 1) % acc == 0
+            loss = self.forward_backward(inputs, targets, sync=last_micro)
             epoch_loss += loss
             self._log_loss += loss
             self._log_count += 1
+            micro += 1
+            if not last_micro:
+                continue
+            self.optimizer_step()
             steps += 1
             if self.step % self.s.log_every_steps == 0:
                 self._log_train()
-            if self._done():
+            if self.s.eval_every_steps and self.step % self.s.eval_every_steps == 0:
+                self.recorder.scalars(self.step, self.evaluate())
+                self.model.module.train()
+            every = self.s.checkpoint_every_steps
+            if every and self.step % every == 0 and self.pos.step_in_epoch < self.steps_per_epoch:
+                self._checkpoint({}, periodic=True)
+            if self._done() or self.pos.step_in_epoch >= self.steps_per_epoch:
                 break
         # One reduction per epoch; reading it is the epoch's only host sync, so timing after it is honest.
         totals = distributed.all_reduce_sum(
-            torch.stack([epoch_loss, torch.tensor(float(steps), device=self.device)])
+            torch.stack([epoch_loss, torch.tensor(float(micro), device=self.device)])
         )
-        loss_sum, step_count = totals.tolist()
+        loss_sum, micro_count = totals.tolist()
         elapsed = time.perf_counter() - start
         return {
-            "train/loss": loss_sum / max(step_count, 1.0),
+            "train/loss": loss_sum / max(micro_count, 1.0),
             "perf/samples_per_s": steps * self.s.global_batch / elapsed if elapsed > 0 else 0.0,
             "perf/epoch_time_s": elapsed,
         }
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        outputs = self.model.module(inputs)
-        loss = F.cross_entropy(outputs, targets.to(outputs.device, non_blocking=True))
-        loss.backward()
-        self.model.sync_grads()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+    def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        """One micro-batch: forward under autocast, backward of loss/accumulate. Gradient
+        synchronisation is suppressed unless `sync` (the last micro-batch of a step)."""
+        if self.s.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with self._autocast():
+                outputs = self.model.module(inputs)
+            loss = F.cross_entropy(outputs.float(), targets.to(outputs.device, non_blocking=True))
+            scaled = loss / self.s.accumulate
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
         return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.model.sync_grads()
+        if self.s.clip_grad_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self._params, self.s.clip_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.pos.step += 1
+        self.pos.step_in_epoch += 1
+
+    def _checkpoint(self, values: dict[str, float], *, periodic: bool) -> None:
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.pos, values, periodic)
 
     def _log_train(self) -> None:
         count = torch.tensor(float(self._log_count), device=self.device)
@@ -132,7 +224,8 @@ class Engine:
         module.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count
         for inputs, targets in self.eval_loader:
-            outputs = module(inputs)
+            with self._autocast():
+                outputs = module(inputs)
             targets = targets.to(outputs.device, non_blocking=True)
             losses = F.cross_entropy(outputs.float(), targets, reduction="none")
             sums[0] += losses.double().sum().to(self.device)

@@ -27,6 +27,9 @@ Frequent settings (full list: python -m ddpexp --cfg job):
   dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)  dist.timeout_s=600
   hydra/launcher=slurm (with -m: one Slurm job per sweep job)
   loader.mode=auto|device|dataloader
+  trainer.precision=32|bf16|fp16  trainer.accumulate=K  trainer.clip_grad_norm=X  trainer.compile=true
+  optim.schedule=constant|step|cosine  optim.warmup_steps=N  optim.scale_rule=none|linear|sqrt
+  checkpoint.every_epochs=1  checkpoint.every_steps=N  trainer.resume=auto|PATH  trainer.mode=train|eval
 
 Outputs: each run directory holds config.yaml, plan.json, metrics.json, model.pt, TensorBoard events, logs/.
   tensorboard --logdir outputs/  (or a multirun/ sweep directory)

@@ -1,7 +1,8 @@
-"""Optimizers (closed choice: sgd | adamw, validated before launch)."""
+"""Optimizers (sgd | adamw), the LR scaling rule and the LR schedule, validated before launch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -21,12 +22,51 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"must be positive, got {cfg.lr}", setting="optim.lr", fix="set optim.lr > 0")
 
 
-def build(params: Iterable[torch.nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
+def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
+    """The learning rate actually used: optim.lr scaled by the rule for this global batch size.
+    linear: lr * B / B_ref (Goyal et al.); sqrt: lr * sqrt(B / B_ref); none: lr."""
+    ratio = global_batch / cfg.ref_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.scale_rule]
+    return float(cfg.lr * factor)
+
+
+def build(
+    params: Iterable[torch.nn.Parameter], cfg: DictConfig, *, lr: float | None = None
+) -> torch.optim.Optimizer:
     check(cfg)
+    lr = cfg.lr if lr is None else lr
+    impl = {} if cfg.fused is None else {"fused": bool(cfg.fused)}
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+            params,
+            lr=lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay,
+            **impl,
         )
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
     )
+
+
+def lr_factor(cfg: DictConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the used LR at optimizer step `step` (0-based): linear warmup over warmup_steps,
+    then constant, step decay (x gamma every step_size) or cosine decay to min_lr_ratio."""
+    warm = cfg.warmup_steps
+    if step < warm:
+        return (step + 1) / warm
+    t = step - warm
+    if cfg.schedule == "step":
+        return float(cfg.gamma ** (t // cfg.step_size))
+    if cfg.schedule == "cosine":
+        span = max(total_steps - warm, 1)
+        progress = min(t / span, 1.0)
+        return float(cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return 1.0
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total_steps))

@@ -29,7 +29,10 @@ def check_job(
     if p.launcher == "spawn":
         check_port(cfg)
         check_init_file(cfg)
-    if not multirun and not run_dir_checked and "hydra" in cfg:
+    from .checkpoint import check_resume
+
+    check_resume(cfg.trainer.resume)
+    if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume:
         check_run_dir(Path(cfg.hydra.run.dir))
     return p
 
@@ -90,7 +93,7 @@ def check_run_dir(run_dir: Path) -> None:
         raise UserError(
             f"{run_dir} already holds a run; starting another there would mix their results",
             setting="hydra.run.dir",
-            fix="choose a new hydra.run.dir",
+            fix="choose a new hydra.run.dir, or add trainer.resume=auto to continue that run",
         )
 
 

@@ -60,16 +60,31 @@ class NullRecorder:
     def save_model(self, state: dict[str, Any]) -> None:
         pass
 
+    def save_checkpoint(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
+        pass
+
     def close(self, status: str, error: str | None = None) -> None:
         pass
 
 
 class Recorder(NullRecorder):
-    def __init__(self, run_dir: Path, *, facts: dict[str, Any], progress: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        facts: dict[str, Any],
+        progress: bool,
+        keep_last_k: int = 2,
+        resume_step: int | None = None,
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter  # heavy: only rank 0 of a run pays for it
 
+        from .checkpoint import Checkpointer
+
         self.run_dir = run_dir
-        self.writer = SummaryWriter(log_dir=str(run_dir))
+        # Resuming: TensorBoard drops what earlier attempts logged after the checkpoint's step.
+        self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resume_step)
+        self.checkpointer = Checkpointer(run_dir, keep_last_k=keep_last_k)
         self.show_progress = progress
         self._bar: Any = None
         self.metrics: dict[str, Any] = {
@@ -80,7 +95,24 @@ class Recorder(NullRecorder):
             "history": [],
             "started_at": time.time(),
         }
+        if resume_step is not None:
+            self._continue_metrics(resume_step)
         self._write_metrics()
+
+    def _continue_metrics(self, step: int) -> None:
+        """Keep the history of the run being resumed, up to the checkpoint's step."""
+        try:
+            old = json.loads((self.run_dir / METRICS_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        history = [h for h in old.get("history", []) if h.get("step", 0) <= step]
+        self.metrics["history"] = history
+        scored = [h for h in history if "eval/acc" in h]
+        if scored:
+            self.metrics["best"] = max(scored, key=lambda h: h["eval/acc"])
+        if history:
+            self.metrics["final"] = history[-1]
+        self.metrics["attempts"] = old.get("attempts", 1) + 1
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         for tag, value in values.items():
@@ -128,6 +160,9 @@ class Recorder(NullRecorder):
         torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
         atomic_write_bytes(self.run_dir / MODEL_FILE, buf.getvalue())
 
+    def save_checkpoint(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
+        self.checkpointer.save(state, periodic=periodic, best=best)
+
     def close(self, status: str, error: str | None = None) -> None:
         self.metrics["status"] = status
         self.metrics["wall_s"] = time.time() - self.metrics["started_at"]
@@ -141,13 +176,19 @@ class Recorder(NullRecorder):
 
 
 def open_recorder(
-    *, is_main: bool, run_dir: Path, facts: dict[str, Any], progress: bool | None
+    *,
+    is_main: bool,
+    run_dir: Path,
+    facts: dict[str, Any],
+    progress: bool | None,
+    keep_last_k: int = 2,
+    resume_step: int | None = None,
 ) -> NullRecorder:
     if not is_main:
         return NullRecorder()
     if progress is None:
         progress = os.environ.get("DDPEXP_TTY") == "1" or sys.stdout.isatty()
-    return Recorder(run_dir, facts=facts, progress=progress)
+    return Recorder(run_dir, facts=facts, progress=progress, keep_last_k=keep_last_k, resume_step=resume_step)
 
 
 def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:

@@ -112,12 +112,16 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
 
     backend = _backend(cfg.backend, device_type, host) if strategy.USES_PROCESS_GROUP else None
     global_batch = cfg.trainer.batch_size
-    if global_batch % world:
+    acc = cfg.trainer.accumulate
+    if global_batch % (world * acc):
+        parts = f"{world} ranks" + (f" x {acc} accumulated micro-batches" if acc > 1 else "")
         raise UserError(
-            f"global batch {global_batch} does not split evenly over {world} ranks",
+            f"global batch {global_batch} does not split evenly over {parts}",
             setting="trainer.batch_size",
-            fix=f"use a multiple of {world}, e.g. trainer.batch_size={_round_up(global_batch, world)}",
+            fix=f"use a multiple of {world * acc}, "
+            f"e.g. trainer.batch_size={_round_up(global_batch, world * acc)}",
         )
+    _check_training(cfg, device_type)
     eval_global = cfg.trainer.eval_batch_size or global_batch
     return Plan(
         strategy=cfg.strategy.name,
@@ -129,7 +133,7 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         nprocs_per_node=nprocs,
         devices_per_process=k,
         global_batch=global_batch,
-        per_rank_batch=global_batch // world,
+        per_rank_batch=global_batch // (world * acc),
         eval_per_rank_batch=max(1, eval_global // world),
         replicas=world if strategy.USES_PROCESS_GROUP else k,
         device_ids=getattr(strategy, "device_ids", lambda *a: None)(cfg, device_type, host),
@@ -214,6 +218,52 @@ def _backend(requested: str, device_type: str, host: HostFacts) -> str:
     if "gloo" in names and not host.gloo:
         raise UserError("this PyTorch build has no gloo", setting="backend", fix="use backend=nccl or mpi")
     return requested
+
+
+def _check_training(cfg: DictConfig, device_type: str) -> None:
+    t, o = cfg.trainer, cfg.optim
+    choices = {
+        "trainer.precision": (str(t.precision), ("32", "bf16", "fp16")),
+        "trainer.mode": (t.mode, ("train", "eval")),
+        "optim.scale_rule": (o.scale_rule, ("none", "linear", "sqrt")),
+        "optim.schedule": (o.schedule, ("constant", "step", "cosine")),
+        "checkpoint.best_mode": (cfg.checkpoint.best_mode, ("max", "min")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise UserError(
+                f"{value!r} is not one of {', '.join(allowed)}", setting=key, fix=f"use {key}={allowed[0]}"
+            )
+    if str(t.precision) == "fp16" and device_type != "cuda":
+        raise UserError(
+            "fp16 mixed precision needs CUDA (its loss scaling is a GPU feature)",
+            setting="trainer.precision",
+            fix="use trainer.precision=bf16 on CPU, or 32",
+        )
+    if t.mode == "eval" and not t.resume:
+        raise UserError(
+            "an evaluation run needs weights to evaluate",
+            setting="trainer.mode",
+            fix="add trainer.resume=PATH/TO/checkpoint.pt (or model.pt)",
+        )
+    positive = {
+        "trainer.accumulate": t.accumulate,
+        "optim.ref_batch_size": o.ref_batch_size,
+        "optim.step_size": o.step_size,
+        "checkpoint.keep_last_k": cfg.checkpoint.keep_last_k,
+    }
+    optional = {
+        "trainer.eval_every_steps": t.eval_every_steps,
+        "trainer.clip_grad_norm": t.clip_grad_norm,
+        "checkpoint.every_epochs": cfg.checkpoint.every_epochs,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+    }
+    positive.update({k: v for k, v in optional.items() if v is not None})
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
+    if o.warmup_steps < 0:
+        raise UserError("must be >= 0", setting="optim.warmup_steps", fix="use optim.warmup_steps=0 or more")
 
 
 def _init(cfg: DictConfig) -> str:

@@ -39,6 +39,10 @@ REFUSALS = [
     ),
     (["strategy=ddp", "data=imdb", "data.root=/nonexistent"], ["aclImdb", "data=digits"]),
     (["model=gcnn"], ["token ids", "data=imdb"]),
+    (["trainer.precision=fp16"], ["trainer.precision", "CUDA", "bf16"]),
+    (["trainer.mode=eval"], ["trainer.resume"]),
+    (["strategy=ddp", "trainer.accumulate=3"], ["trainer.batch_size", "accumulated", "66"]),
+    (["optim.schedule=linear"], ["optim.schedule", "cosine"]),
     (["-m", "data=mnist,cifar10", "data.root=/x"], ["data.root", "++data.root"]),
 ]
 

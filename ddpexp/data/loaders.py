@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import UserError
 from . import Split
@@ -26,7 +26,10 @@ Batch = tuple[Any, torch.Tensor]
 
 
 class Loader(Protocol):
-    def set_epoch(self, epoch: int) -> None: ...
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's order; the next iteration begins at batch `start` (resuming mid-epoch)."""
+        ...
+
     def __iter__(self) -> Iterator[Batch]: ...
     def __len__(self) -> int: ...
 
@@ -73,12 +76,14 @@ class TensorLoader:
         self.device = device
         self.train = train
         self.epoch = 0
+        self.start = 0
         per_rank = math.ceil(len(y) / world) if train else len(exact_shard(len(y), rank=rank, world=world))
         # Training drops the last partial batch so every optimizer step sees the full global batch.
         self._len = per_rank // batch_size if train else math.ceil(per_rank / batch_size)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch = epoch
+        self.start = start
 
     def indices(self) -> torch.Tensor:
         n = len(self.y)
@@ -92,22 +97,39 @@ class TensorLoader:
     def __iter__(self) -> Iterator[Batch]:
         idx = self.indices().to(self.device)
         b = self.batch_size
-        for i in range(self._len):
+        start, self.start = self.start, 0
+        for i in range(start, self._len):
             sel = idx[i * b : (i + 1) * b]
             yield self.x.index_select(0, sel), self.y.index_select(0, sel)
 
 
-class ShardSampler(Sampler[int]):
-    """DataLoader counterpart of `exact_shard`."""
+class _ResumableSampler(Sampler[int]):
+    """DataLoader counterpart of `TensorLoader.indices`: DistributedSampler's order for training (the
+    same permutation, see `distributed_order`), the exact shard for evaluation; the next iteration
+    can begin `skip` samples in, so a resumed epoch loads nothing it will not use."""
 
-    def __init__(self, n: int, *, rank: int, world: int) -> None:
-        self.indices = exact_shard(n, rank=rank, world=world).tolist()
+    def __init__(self, n: int, *, rank: int, world: int, seed: int, train: bool) -> None:
+        self.n, self.rank, self.world, self.seed, self.train = n, rank, world, seed, train
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch = epoch
+        self.skip = skip
+
+    def _order(self) -> torch.Tensor:
+        if self.train:
+            return distributed_order(
+                self.n, rank=self.rank, world=self.world, seed=self.seed, epoch=self.epoch
+            )
+        return exact_shard(self.n, rank=self.rank, world=self.world)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+        skip, self.skip = self.skip, 0
+        return iter(self._order()[skip:].tolist())
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self._order())
 
 
 class TorchLoader:
@@ -128,13 +150,10 @@ class TorchLoader:
         pin_memory: bool,
     ) -> None:
         n = len(dataset)  # type: ignore[arg-type]
-        self.sampler: Sampler[int]
-        if train:
-            self.sampler = DistributedSampler(
-                dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False
-            )
-        else:
-            self.sampler = ShardSampler(n, rank=rank, world=world)
+        self.batch_size = batch_size
+        self.sampler = _ResumableSampler(n, rank=rank, world=world, seed=seed, train=train)
+        per_rank = len(self.sampler)
+        self._len = per_rank // batch_size if train else math.ceil(per_rank / batch_size)
         self.loader = DataLoader(
             dataset,
             batch_size=batch_size,
@@ -148,12 +167,11 @@ class TorchLoader:
         self.device = device
         self.non_blocking = pin_memory
 
-    def set_epoch(self, epoch: int) -> None:
-        if isinstance(self.sampler, DistributedSampler):
-            self.sampler.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start * self.batch_size)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return self._len
 
     def __iter__(self) -> Iterator[Batch]:
         for inputs, targets in self.loader:
@@ -228,8 +246,8 @@ class Augmented:
         self.loader = loader
         self.augment = augment
 
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.loader.set_epoch(epoch, start)
 
     def __len__(self) -> int:
         return len(self.loader)

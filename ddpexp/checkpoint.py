@@ -1,0 +1,183 @@
+"""Checkpoints: what they hold, how they are written (atomically, by rank 0), found and loaded.
+
+A checkpoint is a plain dictionary of tensors and containers, loadable with
+`torch.load(path, weights_only=True)`:
+
+    format, step, epoch, step_in_epoch, world_size, accumulate   where training stands
+    model        state_dict of the unwrapped model (loads into a plain model, any strategy)
+    optimizer, scheduler, scaler                                  optimizer/LR schedule/GradScaler state
+    rng          one entry per rank: torch (CPU and CUDA), numpy and python random states
+    config       the resolved config as plain containers
+    metrics      best-so-far bookkeeping
+
+Files live in <run dir>/checkpoints/: step-00000123.pt (the newest `checkpoint.keep_last_k` kept),
+best.pt (best eval metric so far), last.pt (a symlink to the newest step file). Every file is written
+to a temporary name in the same directory, fsynced, then renamed: a crash or a full disk while saving
+leaves the previous checkpoints intact and no half-written file under a checkpoint name.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UserError
+from .fsutil import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+DIR = "checkpoints"
+_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+
+
+class CheckpointError(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------ RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states, as tensors and plain containers."""
+    np_state: Any = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def serialize(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def step_file(run_dir: Path, step: int) -> Path:
+    return run_dir / DIR / f"step-{step:08d}.pt"
+
+
+class Checkpointer:
+    """Rank 0's checkpoint files. `save` is atomic per file; pruning happens only after success."""
+
+    def __init__(self, run_dir: Path, *, keep_last_k: int) -> None:
+        self.dir = run_dir / DIR
+        self.run_dir = run_dir
+        self.keep_last_k = keep_last_k
+
+    def save(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = serialize(state)
+        if periodic:
+            path = step_file(self.run_dir, state["step"])
+            atomic_write_bytes(path, data)
+            self._point_last_at(path)
+            self._prune()
+        if best:
+            atomic_write_bytes(self.dir / "best.pt", data)
+
+    def _point_last_at(self, path: Path) -> None:
+        tmp = self.dir / ".last.pt.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        os.replace(tmp, self.dir / "last.pt")
+
+    def _prune(self) -> None:
+        for old in step_files(self.run_dir)[self.keep_last_k :]:
+            old.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def step_files(run_dir: Path) -> list[Path]:
+    """Periodic checkpoints of a run directory, newest first."""
+    folder = run_dir / DIR
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_FILE.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A checkpoint (or a bare state_dict such as model.pt), safely: weights_only, on the CPU."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} does not exist") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint")
+    if "format" not in state:  # a bare state_dict (model.pt): weights only
+        if not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path} is neither a ddpexp checkpoint nor a model state_dict")
+        return {"model": state}
+    if state["format"] != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {state['format']}, this ddpexp reads {FORMAT}")
+    return state
+
+
+def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in the run directory that loads; corrupt or partial ones are skipped
+    with a warning naming the file. best.pt is the fallback when no periodic one is readable."""
+    for path in [*step_files(run_dir), run_dir / DIR / "best.pt"]:
+        if not path.exists():
+            continue
+        try:
+            return path, load(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+def resolve(resume: str, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """What trainer.resume names: `auto` (newest valid in the run directory, or None) or a file."""
+    if resume == "auto":
+        return newest_valid(run_dir)
+    path = Path(resume).expanduser()
+    try:
+        return path, load(path)
+    except CheckpointError as exc:
+        raise UserError(
+            str(exc),
+            setting="trainer.resume",
+            fix="point trainer.resume at a valid checkpoint file, or use auto",
+        ) from exc
+
+
+def check_resume(resume: str | None) -> None:
+    """Pre-flight: an explicit checkpoint path must exist and load."""
+    if resume and resume != "auto":
+        resolve(resume, Path("."))

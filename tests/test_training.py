@@ -1,0 +1,255 @@
+"""Training features and checkpoints: exact resume, accumulation, precision, clipping, LR rules,
+atomic saving under failure, corrupt-checkpoint handling, cross-strategy loading."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ddpexp import checkpoint, optim
+from ddpexp.engine import Engine, LoopSettings
+from ddpexp.recorder import NullRecorder
+from ddpexp.strategies import Wrapped
+
+from .conftest import QUICK, metrics, run_ddpexp
+
+RESUME = [*QUICK, "checkpoint.every_steps=20", "optim.lr=0.05"]  # 32 steps per epoch at batch 64
+
+
+def ckpt(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    for key, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][key][name]), (key, name)
+
+
+# ------------------------------------------------------------------------------------ exact resume
+
+
+@pytest.fixture(scope="module", params=["single", "ddp"])
+def resumed(request, tmp_path_factory: pytest.TempPathFactory):
+    """An uninterrupted 70-step run, and a run stopped after 45 steps (mid-epoch 2) then resumed to 70."""
+    strategy = request.param
+    tmp = tmp_path_factory.mktemp(f"resume-{strategy}")
+    args = [f"strategy={strategy}", *RESUME]
+    whole = run_ddpexp(tmp, *args, "trainer.max_steps=70", "hydra.run.dir=whole")
+    assert whole.returncode == 0, whole
+    first = run_ddpexp(tmp, *args, "trainer.max_steps=45", "hydra.run.dir=parts")
+    assert first.returncode == 0, first
+    second = run_ddpexp(tmp, *args, "trainer.max_steps=70", "hydra.run.dir=parts", "trainer.resume=auto")
+    assert second.returncode == 0, second
+    return strategy, tmp / "whole", tmp / "parts", second
+
+
+@pytest.mark.multiproc
+def test_resume_mid_epoch_gives_bitwise_the_uninterrupted_run(resumed):
+    _strategy, whole, parts, second = resumed
+    assert "resumed from" in second.stdout + second.stderr + (parts / "ddpexp.log").read_text()
+    assert_same_state(ckpt(whole), ckpt(parts))
+    final_whole = torch.load(whole / "model.pt", weights_only=True)
+    final_parts = torch.load(parts / "model.pt", weights_only=True)
+    assert all(torch.equal(v, final_parts[k]) for k, v in final_whole.items())
+    m = metrics(parts)
+    assert m["status"] == "completed" and m["attempts"] == 2 and m["facts"]["resumed_from"].endswith(".pt")
+    assert m["final"]["eval/acc"] == metrics(whole)["final"]["eval/acc"]
+    steps = [h["step"] for h in m["history"]]
+    assert steps == sorted(steps)
+
+
+@pytest.mark.multiproc
+def test_a_ddp_checkpoint_evaluates_identically_under_single(resumed, tmp_path: Path):
+    _strategy, whole, _, _ = resumed
+    result = run_ddpexp(
+        tmp_path,
+        *QUICK,
+        "strategy=single",
+        "trainer.mode=eval",
+        f"trainer.resume={whole}/checkpoints/last.pt",
+    )
+    assert result.returncode == 0, result
+    (run_dir,) = result.run_dirs()
+    m = metrics(run_dir)
+    assert m["facts"]["mode"] == "eval" and not (run_dir / "model.pt").exists()
+    trained = metrics(whole)["final"]
+    assert m["final"]["eval/acc"] == trained["eval/acc"]
+    assert math.isclose(m["final"]["eval/loss"], trained["eval/loss"], rel_tol=1e-9)
+
+
+def test_checkpoint_is_plain_and_loads_into_a_plain_model(resumed):
+    _, whole, _, _ = resumed
+    state = ckpt(whole)  # weights_only=True: no pickled objects
+    assert {
+        "model",
+        "optimizer",
+        "scheduler",
+        "rng",
+        "config",
+        "step",
+        "epoch",
+        "step_in_epoch",
+    } <= state.keys()
+    assert len(state["rng"]) == state["world_size"]
+    assert isinstance(state["config"], dict) and state["config"]["model"]["_target_"].endswith("mlp")
+    from ddpexp.models.mlp import mlp
+
+    model = mlp(num_classes=10, input_shape=[1, 28, 28], hidden=state["config"]["model"]["hidden"])
+    model.load_state_dict(state["model"])
+    kept = sorted(p.name for p in (whole / "checkpoints").iterdir())
+    assert kept == ["best.pt", "last.pt", "step-00000064.pt", "step-00000070.pt"]  # keep_last_k=2
+
+
+# ------------------------------------------------------------------------------ accumulation, AMP
+
+
+@pytest.mark.multiproc
+def test_accumulation_equals_the_larger_per_rank_batch(tmp_path: Path):
+    args = ["-m", "strategy=single,ddp", "trainer.accumulate=1,4", *QUICK, "trainer.max_steps=5"]
+    result = run_ddpexp(tmp_path, *args, "checkpoint.every_epochs=null", "hydra.sweep.dir=s", timeout=300)
+    assert result.returncode == 0, result
+    for strategy in ("single", "ddp"):
+        one = tmp_path / "s" / f"strategy={strategy},trainer.accumulate=1"
+        four = tmp_path / "s" / f"strategy={strategy},trainer.accumulate=4"
+        assert metrics(four)["facts"]["micro_batch_size"] * 4 == metrics(one)["facts"]["micro_batch_size"]
+        a = torch.load(one / "model.pt", weights_only=True)
+        b = torch.load(four / "model.pt", weights_only=True)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_compile_and_channels_last_paths_run(tmp_path: Path):
+    compiled = run_ddpexp(
+        tmp_path,
+        *QUICK,
+        "trainer.max_steps=3",
+        "trainer.precision=bf16",
+        "trainer.compile=true",
+        "hydra.run.dir=c",
+    )
+    assert compiled.returncode == 0, compiled
+    conv = run_ddpexp(
+        tmp_path,
+        "model=convnet",
+        "data=synthetic",
+        "trainer.progress=false",
+        "trainer.max_steps=3",
+        "trainer.precision=bf16",
+        "trainer.channels_last=true",
+        "hydra.run.dir=cl",
+    )
+    assert conv.returncode == 0, conv
+    for run in ("c", "cl"):
+        m = metrics(tmp_path / run)
+        assert m["facts"]["precision"] == "bf16" and math.isfinite(m["final"]["train/loss"])
+
+
+# ------------------------------------------------------------------- clipping, LR scaling, schedule
+
+
+def test_clipping_bounds_the_total_gradient_norm():
+    model = torch.nn.Linear(50, 50)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    settings = LoopSettings(
+        epochs=1, max_steps=None, log_every_steps=1, eval_every_epochs=1, global_batch=1, clip_grad_norm=0.5
+    )
+    engine = Engine(
+        model=Wrapped(module=model, base=model),
+        optimizer=opt,
+        train_loader=None,  # type: ignore[arg-type]
+        eval_loader=None,  # type: ignore[arg-type]
+        recorder=NullRecorder(),
+        settings=settings,
+        device=torch.device("cpu"),
+    )
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 100.0)
+    engine.optimizer_step()
+    moved = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)])
+    assert math.isclose(moved.norm().item(), 0.5, rel_tol=1e-4)  # lr 1: the step is the clipped gradient
+
+
+@pytest.mark.parametrize(("rule", "expected"), [("none", 0.1), ("linear", 0.4), ("sqrt", 0.2)])
+def test_lr_scaling_rules(rule: str, expected: float):
+    cfg = OmegaConf.create({"lr": 0.1, "scale_rule": rule, "ref_batch_size": 64})
+    assert math.isclose(optim.scaled_lr(cfg, 256), expected)
+
+
+def test_schedules_with_warmup():
+    base = {"warmup_steps": 4, "step_size": 10, "gamma": 0.5, "min_lr_ratio": 0.1}
+    const = OmegaConf.create({**base, "schedule": "constant"})
+    assert [optim.lr_factor(const, s, 100) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    step = OmegaConf.create({**base, "schedule": "step"})
+    assert [optim.lr_factor(step, s, 100) for s in (4, 13, 14, 24)] == [1.0, 1.0, 0.5, 0.25]
+    cos = OmegaConf.create({**base, "schedule": "cosine"})
+    assert optim.lr_factor(cos, 4, 104) == 1.0
+    assert math.isclose(optim.lr_factor(cos, 54, 104), 0.55)
+    assert math.isclose(optim.lr_factor(cos, 104, 104), 0.1)
+
+
+# ------------------------------------------------------------------------- atomic, corrupt, refused
+
+
+def _state(step: int) -> dict:
+    return {"format": checkpoint.FORMAT, "step": step, "model": {"w": torch.full((1000,), float(step))}}
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path: Path, monkeypatch):
+    keeper = checkpoint.Checkpointer(tmp_path, keep_last_k=2)
+    keeper.save(_state(1), periodic=True, best=True)
+
+    from ddpexp import fsutil
+
+    def disk_full(path: Path, data: bytes) -> None:
+        def write(f):
+            f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        fsutil.atomic_write(path, write)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        keeper.save(_state(2), periodic=True, best=True)
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files == ["best.pt", "last.pt", "step-00000001.pt"]  # no partial file under any name
+    _path, state = checkpoint.newest_valid(tmp_path)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.full((1000,), 1.0))
+    assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == 1
+
+
+def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path: Path, caplog):
+    keeper = checkpoint.Checkpointer(tmp_path, keep_last_k=5)
+    keeper.save(_state(1), periodic=True, best=False)
+    keeper.save(_state(2), periodic=True, best=False)
+    newest = checkpoint.step_file(tmp_path, 2)
+    newest.write_bytes(newest.read_bytes()[:100])  # a crash mid-copy, say
+    with caplog.at_level(logging.WARNING):
+        path, state = checkpoint.resolve("auto", tmp_path)
+    assert state["step"] == 1 and path.name == "step-00000001.pt"
+    assert "step-00000002.pt" in caplog.text
+    with pytest.raises(checkpoint.UserError, match="not a readable checkpoint"):
+        checkpoint.resolve(str(newest), tmp_path)
+
+
+def test_resume_from_a_bad_path_is_refused_before_anything_starts(tmp_path: Path):
+    bad = tmp_path / "elsewhere" / "broken.pt"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a checkpoint")
+    run = tmp_path / "run"
+    run.mkdir()
+    for target in (bad, tmp_path / "missing.pt"):
+        result = run_ddpexp(run, *QUICK, f"trainer.resume={target}", timeout=120)
+        assert result.returncode == 2, result
+        assert "trainer.resume" in result.stderr and str(target) in result.stderr
+    assert list(run.iterdir()) == []
