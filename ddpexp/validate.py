@@ -153,10 +153,7 @@ def _check_sizes(cfg: DictConfig) -> None:
         "trainer.eval_batch_size": t.eval_batch_size,
         "dist.nprocs": cfg.dist.nprocs,
     }
-    positive.update({k: v for k, v in optional_positive.items() if v is not None})
-    for key, value in positive.items():
-        if value <= 0:
-            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
+    _require_positive(positive, optional_positive)
     if t.max_steps is not None and t.max_steps < 0:
         raise UserError(
             f"must be >= 0, got {t.max_steps}",
@@ -220,6 +217,14 @@ def _backend(requested: str, device_type: str, host: HostFacts) -> str:
     return requested
 
 
+def _require_positive(required: dict[str, Any], optional: dict[str, Any]) -> None:
+    """Every setting in `required`, and every non-null one in `optional`, must be > 0."""
+    values = {**required, **{k: v for k, v in optional.items() if v is not None}}
+    for key, value in values.items():
+        if value <= 0:
+            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
+
+
 def _check_training(cfg: DictConfig, device_type: str) -> None:
     t, o = cfg.trainer, cfg.optim
     choices = {
@@ -258,10 +263,7 @@ def _check_training(cfg: DictConfig, device_type: str) -> None:
         "checkpoint.every_epochs": cfg.checkpoint.every_epochs,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
     }
-    positive.update({k: v for k, v in optional.items() if v is not None})
-    for key, value in positive.items():
-        if value <= 0:
-            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
+    _require_positive(positive, optional)
     if o.warmup_steps < 0:
         raise UserError("must be >= 0", setting="optim.warmup_steps", fix="use optim.warmup_steps=0 or more")
 

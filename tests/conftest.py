@@ -51,8 +51,16 @@ def metrics(run_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def cli(tmp_path: Path):
-    def call(*args: str, **kw: Any) -> Result:
-        return run_ddpexp(tmp_path, *args, **kw)
+def hydra_conf():
+    """Hydra's compose API on ddpexp's own config tree, with the schema registered."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
-    return call
+    from ddpexp.cli import conf_dir
+    from ddpexp.config import register_schema
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()

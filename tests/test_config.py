@@ -6,12 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 
 from ddpexp import models, optim
 from ddpexp.cli import conf_dir
-from ddpexp.config import register_schema
 from ddpexp.data import DataSource
 from ddpexp.help import help_text
 from ddpexp.validate import HostFacts, plan
@@ -24,13 +22,7 @@ TEXT_MODELS = {"gcnn", "embbag"}
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 
 
-@pytest.fixture(autouse=True)
-def hydra_conf():
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        yield
-    GlobalHydra.instance().clear()
+pytestmark = pytest.mark.usefixtures("hydra_conf")
 
 
 def test_every_group_has_options():

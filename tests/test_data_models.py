@@ -8,13 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.utils import instantiate
 
 from ddpexp import models
-from ddpexp.cli import conf_dir
-from ddpexp.config import register_schema
 from ddpexp.data.imdb import PAD, UNK, Vocab, tokenize
 from ddpexp.data.vision import RandomCropFlip
 from ddpexp.errors import UserError
@@ -40,13 +37,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def hydra_conf():
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        yield
-    GlobalHydra.instance().clear()
+pytestmark = pytest.mark.usefixtures("hydra_conf")
 
 
 def _source(data: str, root: Path, *extra: str):

@@ -6,14 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+from hydra import compose
 from hydra.utils import instantiate
 from torch import nn
 
 from ddpexp import models
 from ddpexp.cli import conf_dir
-from ddpexp.config import register_schema
 from ddpexp.errors import UserError
 from ddpexp.strategies.ddp_mp import Pipeline, group
 from ddpexp.validate import HostFacts, plan
@@ -21,13 +19,7 @@ from ddpexp.validate import HostFacts, plan
 MODELS = sorted(f.stem for f in (Path(conf_dir()) / "model").glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def hydra_conf():
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
-        yield
-    GlobalHydra.instance().clear()
+pytestmark = pytest.mark.usefixtures("hydra_conf")
 
 
 def test_group_makes_k_nonempty_consecutive_parts():

@@ -49,6 +49,12 @@ def distributed_order(
     return order[rank:total:world]
 
 
+def num_batches(samples: int, batch_size: int, *, train: bool) -> int:
+    """Training drops the last partial batch (every optimizer step sees the whole global batch);
+    evaluation keeps it (every sample is scored)."""
+    return samples // batch_size if train else math.ceil(samples / batch_size)
+
+
 def exact_shard(n: int, *, rank: int, world: int) -> torch.Tensor:
     """Evaluation shard: no shuffling, no padding, every sample on exactly one rank."""
     return torch.arange(rank, max(n, rank), world)  # empty when there are fewer samples than ranks
@@ -78,8 +84,7 @@ class TensorLoader:
         self.epoch = 0
         self.start = 0
         per_rank = math.ceil(len(y) / world) if train else len(exact_shard(len(y), rank=rank, world=world))
-        # Training drops the last partial batch so every optimizer step sees the full global batch.
-        self._len = per_rank // batch_size if train else math.ceil(per_rank / batch_size)
+        self._len = num_batches(per_rank, batch_size, train=train)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch = epoch
@@ -153,7 +158,7 @@ class TorchLoader:
         self.batch_size = batch_size
         self.sampler = _ResumableSampler(n, rank=rank, world=world, seed=seed, train=train)
         per_rank = len(self.sampler)
-        self._len = per_rank // batch_size if train else math.ceil(per_rank / batch_size)
+        self._len = num_batches(per_rank, batch_size, train=train)
         self.loader = DataLoader(
             dataset,
             batch_size=batch_size,
