@@ -156,23 +156,18 @@ def _expand(
         if sweeps:
             raise UserError(f"{sweeps[0]} lists several values", fix="add -m to run a sweep")
         return [overrides], set()
-    # Sweep parameters set in the config (hydra.sweeper.params) join the command line's. Compose with
-    # the hydra.* overrides only: the others may depend on a group choice that is itself swept.
-    hydra_only = [
-        o.input_line or ""
-        for o in parsed
-        if not o.is_sweep_override() and _key(o.input_line or "").startswith("hydra")
-    ]
-    params = compose(hydra_only).hydra.sweeper.get("params") or {}
-    # Hydra composes the sweep's base config from the non-swept overrides alone, before any job.
+    # Hydra composes the sweep's base config from the non-swept overrides alone, before any job; the
+    # sweep parameters set there (hydra.sweeper.params, e.g. by an experiment preset) join the command
+    # line's.
     fixed = [o.input_line or "" for o in parsed if not o.is_sweep_override()]
     try:
-        compose(fixed)
+        base = compose(fixed)
     except UserError as exc:
         raise UserError(
             f"{exc.message} (Hydra applies it before choosing the swept options)",
             fix="for a key inside a swept config group, write ++key=value (e.g. ++data.root=...)",
         ) from exc
+    params = base.hydra.sweeper.get("params") or {}
     combined = parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
     varying = {o.get_key_element() for o in combined if o.is_sweep_override()}
     return BasicSweeper.split_arguments(combined, None)[0], varying

@@ -39,6 +39,9 @@ class StrategyConfig:
     device_ids: list[int] | None = None
     # ddp_mp only: devices each process owns; the model is split into this many pipeline stages.
     stages: int = 2
+    # ddp, ddp_mp: DDP's gradient bucket size in MB (None: DDP's default, 25). naive_allreduce: None
+    # = one all_reduce per parameter, a size = gradients flattened into buckets of that size.
+    bucket_cap_mb: float | None = None
 
 
 @dataclass
@@ -97,6 +100,9 @@ class TrainerConfig:
     # GLOBAL batch: samples per optimizer step summed over all ranks. Each of W ranks gets batch/W,
     # so runs with the same batch_size are comparable across strategies and world sizes.
     batch_size: int = 64
+    # Per-rank batch instead (weak scaling): if set, the global batch is this x world size x accumulate
+    # and trainer.batch_size is ignored.
+    batch_per_rank: int | None = None
     # Global eval batch (None: same as batch_size). Eval counts every sample exactly once.
     eval_batch_size: int | None = None
     eval_every_epochs: int = 1
@@ -117,6 +123,8 @@ class TrainerConfig:
     # torch.compile the training model; channels_last memory format for 4-D inputs (conv nets, GPU).
     compile: bool = False
     channels_last: bool = False
+    # Time the gradient communication (DDP comm hook / around the all-reduces) and log comm/* scalars.
+    measure_comm: bool = True
     # torch.use_deterministic_algorithms(True) (slower; same results run to run on the same machine).
     deterministic: bool = False
     # null: start fresh. auto: continue from the newest valid checkpoint in the run directory (fresh

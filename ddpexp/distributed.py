@@ -55,6 +55,21 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_max(value: float) -> float:
+    """The largest `value` over ranks (CPU tensor: works with gloo and, for scalars, nccl via CPU)."""
+    if not active():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def gather_objects(obj: object) -> list[object]:
     """`obj` from every rank, in rank order (just [obj] without a process group)."""
     if not active():

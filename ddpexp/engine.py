@@ -45,6 +45,7 @@ class LoopSettings:
     channels_last: bool = False
     checkpoint_every_epochs: int | None = None
     checkpoint_every_steps: int | None = None
+    devices: int = 1  # devices training in parallel (per-device throughput)
 
 
 @dataclass
@@ -136,8 +137,18 @@ class Engine:
         batches = self.recorder.progress(
             self.train_loader, total=remaining, desc=f"epoch {epoch + 1}/{self.s.epochs}"
         )
+        if self.model.comm is not None:
+            self.model.comm.take()  # drop what evaluation or the previous epoch left
+        wait = 0.0
         start = time.perf_counter()
-        for inputs, targets in batches:
+        it = iter(batches)
+        while True:
+            t = time.perf_counter()
+            try:
+                inputs, targets = next(it)
+            except StopIteration:
+                break
+            wait += time.perf_counter() - t
             last_micro = (micro + 1) % acc == 0
             loss = self.forward_backward(inputs, targets, sync=last_micro)
             epoch_loss += loss
@@ -164,11 +175,46 @@ class Engine:
         )
         loss_sum, micro_count = totals.tolist()
         elapsed = time.perf_counter() - start
-        return {
+        throughput = steps * self.s.global_batch / elapsed if elapsed > 0 else 0.0
+        values = {
             "train/loss": loss_sum / max(micro_count, 1.0),
-            "perf/samples_per_s": steps * self.s.global_batch / elapsed if elapsed > 0 else 0.0,
+            "perf/samples_per_s": throughput,
+            "perf/samples_per_s_per_device": throughput / self.s.devices,
             "perf/epoch_time_s": elapsed,
+            "perf/step_time_s": elapsed / max(steps, 1),
         }
+        return values | self._side_metrics(wait=wait, elapsed=elapsed, steps=steps)
+
+    def _side_metrics(self, *, wait: float, elapsed: float, steps: int) -> dict[str, float]:
+        """Data wait, communication and peak memory of the epoch: averaged (time) or maxed (memory)
+        over ranks, in one small reduction each."""
+        comm = self.model.comm.take() if self.model.comm is not None else None
+        world = max(distributed.world_size(), 1)
+        local = [wait, comm[0] if comm else 0.0, float(comm[1]) if comm else 0.0]
+        sums = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device))
+        wait_s, comm_s, comm_bytes = (v / world for v in sums.tolist())
+        out = {
+            "perf/data_wait_frac": wait_s / elapsed if elapsed > 0 else 0.0,
+            "mem/peak_mb": self._peak_mb(),
+        }
+        if comm is not None:
+            out |= {
+                "comm/time_per_step_s": comm_s / max(steps, 1),
+                "comm/share": comm_s / elapsed if elapsed > 0 else 0.0,
+                "comm/bytes_per_step": comm_bytes / max(steps, 1),
+            }
+        return out
+
+    def _peak_mb(self) -> float:
+        """Peak memory of this rank's device (CUDA: max allocated; CPU: the process's max RSS), max over
+        ranks."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        return distributed.all_reduce_max(peak)
 
     def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor:
         """One micro-batch: forward under autocast, backward of loss/accumulate. Gradient

@@ -10,6 +10,10 @@ TensorBoard tags (x axis = global optimizer step):
   perf/samples_per_s  training samples per second over the epoch (all ranks together)
   perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
   opt/lr              learning rate of the first parameter group
+  perf/samples_per_s_per_device, perf/step_time_s, perf/data_wait_frac (host time waiting for batches)
+  mem/peak_mb         peak memory: CUDA max allocated, or the process's max RSS on CPU (max over ranks)
+  comm/time_per_step_s, comm/share, comm/bytes_per_step   gradient communication (strategies with any)
+  hparams/*           final/best metrics next to the run's settings in TensorBoard's HParams view
 """
 
 from __future__ import annotations
@@ -169,10 +173,54 @@ class Recorder(NullRecorder):
         if error:
             self.metrics["error"] = error
         self._write_metrics()
+        if status == "completed":
+            self._write_hparams()
         self.writer.close()
+
+    def _write_hparams(self) -> None:
+        """TensorBoard's HParams view: this run's settings -> its final and best metrics, written into
+        the run's own event file (SummaryWriter.add_hparams would open a second, nested run)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        facts = self.metrics["facts"]
+        settings = {key: _hparam(facts.get(key)) for key in HPARAMS}
+        results = {
+            "hparams/final_eval_acc": self.metrics["final"].get("eval/acc"),
+            "hparams/best_eval_acc": self.metrics["best"].get("eval/acc"),
+            "hparams/final_eval_loss": self.metrics["final"].get("eval/loss"),
+            "hparams/samples_per_s": self.metrics["final"].get("perf/samples_per_s"),
+        }
+        results = {k: float(v) for k, v in results.items() if v is not None}
+        step = int(self.metrics["final"].get("step", 0))
+        for summary in hparams(settings, results):
+            self.writer._get_file_writer().add_summary(summary)
+        for tag, value in results.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+        self.writer.flush()
 
     def _write_metrics(self) -> None:
         atomic_write_text(self.run_dir / METRICS_FILE, json.dumps(self.metrics, indent=2, sort_keys=True))
+
+
+HPARAMS = (
+    "strategy",
+    "backend",
+    "init_method",
+    "world_size",
+    "nprocs_per_node",
+    "devices_per_process",
+    "global_batch_size",
+    "per_rank_batch_size",
+    "sync_bn",
+    "precision",
+    "accumulate",
+    "model",
+    "data",
+)
+
+
+def _hparam(value: Any) -> str | bool | int | float:
+    return value if isinstance(value, (str, bool, int, float)) else str(value)
 
 
 def open_recorder(

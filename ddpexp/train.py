@@ -73,6 +73,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
             channels_last=t.channels_last,
             checkpoint_every_epochs=cfg.checkpoint.every_epochs,
             checkpoint_every_steps=cfg.checkpoint.every_steps,
+            # CPU "devices" of one process are the same cores: count processes there.
+            devices=job.plan.world_size * (job.plan.devices_per_process if ctx.device.type == "cuda" else 1),
         ),
         device=ctx.device,
         scheduler=scheduler,

@@ -111,8 +111,9 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         )
 
     backend = _backend(cfg.backend, device_type, host) if strategy.USES_PROCESS_GROUP else None
-    global_batch = cfg.trainer.batch_size
     acc = cfg.trainer.accumulate
+    per_rank = cfg.trainer.batch_per_rank
+    global_batch = per_rank * world * acc if per_rank is not None else cfg.trainer.batch_size
     if global_batch % (world * acc):
         parts = f"{world} ranks" + (f" x {acc} accumulated micro-batches" if acc > 1 else "")
         raise UserError(
@@ -258,6 +259,8 @@ def _check_training(cfg: DictConfig, device_type: str) -> None:
         "checkpoint.keep_last_k": cfg.checkpoint.keep_last_k,
     }
     optional = {
+        "trainer.batch_per_rank": t.batch_per_rank,
+        "strategy.bucket_cap_mb": cfg.strategy.bucket_cap_mb,
         "trainer.eval_every_steps": t.eval_every_steps,
         "trainer.clip_grad_norm": t.clip_grad_norm,
         "checkpoint.every_epochs": cfg.checkpoint.every_epochs,

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ..errors import UserError
+from .comm import CommMeter
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Wrapped:
     no_sync: Callable[[], AbstractContextManager[object]] = field(default=nullcontext)
     sync_grads: Callable[[], None] = field(default=lambda: None)
     eval_module: nn.Module | None = None
+    comm: CommMeter | None = None  # set by strategies that communicate gradients (and measure it)
 
     def __post_init__(self) -> None:
         if self.eval_module is None:
@@ -79,6 +81,12 @@ def refuse_sync_bn(cfg: DictConfig, name: str) -> None:
 
 def refuse_extras(cfg: DictConfig, name: str) -> None:
     """Settings that belong to one strategy only must not be silently ignored by the others."""
+    if name not in ("ddp", "ddp_mp", "naive_allreduce") and cfg.strategy.get("bucket_cap_mb") is not None:
+        raise UserError(
+            f"bucket_cap_mb sizes gradient all-reduce buckets; strategy {name} has none",
+            setting="strategy.bucket_cap_mb",
+            fix="use it with ddp, ddp_mp or naive_allreduce",
+        )
     if name != "dp" and cfg.strategy.device_ids is not None:
         raise UserError(
             f"device_ids is a DataParallel setting; strategy {name} does not use it",

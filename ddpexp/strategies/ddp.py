@@ -3,11 +3,12 @@ that overlap the backward pass. Initial weights are broadcast from rank 0 when t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.nn.parallel import DistributedDataParallel
 
 from . import Wrapped, maybe_sync_bn, refuse_extras
+from .comm import CommMeter, timed_allreduce_hook
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -30,5 +31,18 @@ def check(cfg: DictConfig, device_type: str, host: HostFacts) -> None:
 def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
     model = maybe_sync_bn(model, cfg, ctx.device.type).to(ctx.device)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
-    return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **bucket_kwargs(cfg))
+    return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, comm=measure(ddp, cfg))
+
+
+def bucket_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    cap = cfg.strategy.bucket_cap_mb
+    return {} if cap is None else {"bucket_cap_mb": float(cap)}
+
+
+def measure(ddp: DistributedDataParallel, cfg: DictConfig) -> CommMeter | None:
+    if not cfg.trainer.measure_comm:
+        return None
+    meter = CommMeter()
+    ddp.register_comm_hook(None, timed_allreduce_hook(meter))
+    return meter

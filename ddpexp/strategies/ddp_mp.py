@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError
 from . import Wrapped, maybe_sync_bn, refuse_extras
+from .ddp import bucket_kwargs, measure
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -90,5 +91,5 @@ def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
     model = maybe_sync_bn(model, cfg, ctx.device.type)
     parts = group(list(model.stages()), cfg.strategy.stages)  # type: ignore[operator]
     pipeline = Pipeline(parts, list(ctx.devices))
-    ddp = DistributedDataParallel(pipeline)  # multi-device module: no device_ids
-    return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, eval_module=pipeline)
+    ddp = DistributedDataParallel(pipeline, **bucket_kwargs(cfg))  # multi-device module: no device_ids
+    return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, eval_module=pipeline, comm=measure(ddp, cfg))

@@ -1,0 +1,294 @@
+"""`python -m ddpexp.report DIR [DIR ...]` (or `ddpexp-report`): a sweep turned into a table and plots.
+
+Every directory holding a metrics.json below the given ones is a run. Numbers come from the run's
+metrics.json (facts, final, best, status) and its TensorBoard events, read with tensorboard's own event
+reader; nothing is re-measured. Written into the first directory given:
+
+  report.md            one row per run (failed or unfinished runs marked as such)
+  acc_vs_time.png      eval accuracy against wall-clock seconds since the run started
+  loss_vs_step.png     training loss against optimizer step
+  throughput.png       samples/s per run (all devices together)
+  scaling.png          scaling efficiency against device count (when device counts differ)
+
+Definitions (also in the README):
+  samples/s            mean of perf/samples_per_s over the run's epochs, the first left out when there
+                       are several (it includes warm-up)
+  per device           samples/s / devices (processes on CPU, GPUs on CUDA)
+  scaling eff.         (samples/s per device) / (samples/s of the sweep's single-device run)
+  time to target       seconds from the run's start to the first eval/acc >= --target
+  comm share           mean comm/share: fraction of training wall time with a gradient reduction running
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .recorder import METRICS_FILE
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    status: str
+    facts: dict[str, Any]
+    final: dict[str, Any]
+    best: dict[str, Any]
+    started_at: float | None
+    scalars: dict[str, list[tuple[int, float, float]]] = field(
+        default_factory=dict
+    )  # tag -> (step, value, wall)
+
+    @property
+    def devices(self) -> int:
+        f = self.facts
+        per = f.get("devices_per_process", 1) if f.get("device_type") == "cuda" else 1
+        return int(f.get("world_size", 1)) * int(per)
+
+    def values(self, tag: str) -> list[float]:
+        return [v for _, v, _ in self.scalars.get(tag, [])]
+
+    def throughput(self) -> float | None:
+        per_epoch = self.values("perf/samples_per_s")
+        if not per_epoch:
+            return None
+        steady = per_epoch[1:] if len(per_epoch) > 1 else per_epoch
+        return sum(steady) / len(steady)
+
+    def time_to(self, target: float) -> float | None:
+        if self.started_at is None:
+            return None
+        for _, value, wall in self.scalars.get("eval/acc", []):
+            if value >= target:
+                return wall - self.started_at
+        return None
+
+    def mean(self, tag: str) -> float | None:
+        vals = self.values(tag)
+        return sum(vals) / len(vals) if vals else None
+
+    def peak(self, tag: str) -> float | None:
+        vals = self.values(tag)
+        return max(vals) if vals else None
+
+
+def find_runs(roots: list[Path]) -> list[Run]:
+    runs = []
+    for root in roots:
+        for metrics_path in sorted(root.rglob(METRICS_FILE)):
+            if ".hydra" in metrics_path.parts or "checkpoints" in metrics_path.parts:
+                continue
+            run_dir = metrics_path.parent
+            name = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
+            runs.append(load_run(run_dir, name))
+    return runs
+
+
+def load_run(run_dir: Path, name: str) -> Run:
+    try:
+        m = json.loads((run_dir / METRICS_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return Run(name, run_dir, f"unreadable ({type(exc).__name__})", {}, {}, {}, None)
+    status = m.get("status", "unknown")
+    if status == "running":
+        status = "incomplete"
+    run = Run(
+        name, run_dir, status, m.get("facts", {}), m.get("final", {}), m.get("best", {}), m.get("started_at")
+    )
+    run.scalars = read_scalars(run_dir)
+    return run
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    try:
+        acc.Reload()
+    except Exception:  # a crashed run may leave a truncated event file: report what is readable
+        return {}
+    return {tag: [(e.step, e.value, e.wall_time) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# ----------------------------------------------------------------------------------------- table
+
+COLUMNS = (
+    "run",
+    "status",
+    "strategy",
+    "world",
+    "batch (global/rank)",
+    "final acc",
+    "best acc",
+    "time to target (s)",
+    "samples/s",
+    "per device",
+    "scaling eff.",
+    "comm share",
+    "peak mem (MB)",
+)
+
+
+def baseline(runs: list[Run]) -> float | None:
+    """Samples/s of the sweep's single-device run, if it has one that completed."""
+    singles = [t for r in runs if r.devices == 1 and r.status == "completed" and (t := r.throughput())]
+    return max(singles) if singles else None
+
+
+def rows(runs: list[Run], target: float) -> list[list[str]]:
+    base = baseline(runs)
+    out = []
+    for r in runs:
+        f = r.facts
+        tput = r.throughput()
+        eff = tput / r.devices / base if tput and base else None
+        out.append(
+            [
+                r.name,
+                r.status,
+                str(f.get("strategy", "?")) + (" +syncbn" if f.get("sync_bn") else ""),
+                str(f.get("world_size", "?")),
+                f"{f.get('global_batch_size', '?')}/{f.get('per_rank_batch_size', '?')}",
+                _pct(r.final.get("eval/acc")),
+                _pct(r.best.get("eval/acc")),
+                _num(r.time_to(target), "{:.1f}"),
+                _num(tput, "{:,.0f}"),
+                _num(tput / r.devices if tput else None, "{:,.0f}"),
+                _num(eff, "{:.2f}"),
+                _pct(r.mean("comm/share")),
+                _num(r.peak("mem/peak_mb"), "{:,.0f}"),
+            ]
+        )
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def markdown(table: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def plain(table: list[list[str]]) -> str:
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(COLUMNS)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*COLUMNS), *(fmt.format(*row) for row in table)])
+
+
+# ----------------------------------------------------------------------------------------- plots
+
+
+def plots(runs: list[Run], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        pts = r.scalars.get("eval/acc", [])
+        if pts and r.started_at is not None:
+            ax.plot([w - r.started_at for _, _, w in pts], [v for _, v, _ in pts], marker="o", label=r.name)
+    ax.set(xlabel="wall-clock seconds since start", ylabel="eval accuracy", title="Eval accuracy vs time")
+    _legend(ax)
+    save(fig, "acc_vs_time.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        pts = r.scalars.get("train/loss", [])
+        if pts:
+            ax.plot([s for s, _, _ in pts], [v for _, v, _ in pts], label=r.name)
+    ax.set(xlabel="optimizer step", ylabel="train loss", title="Training loss vs step")
+    _legend(ax)
+    save(fig, "loss_vs_step.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r.name for r in runs]
+    ax.barh(names, [r.throughput() or 0.0 for r in runs])
+    ax.set(xlabel="samples/s (all devices)", title="Throughput")
+    save(fig, "throughput.png")
+
+    base = baseline(runs)
+    counts = {r.devices for r in runs}
+    if base and len(counts) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        effs = sorted(
+            (r.devices, (r.throughput() or 0.0) / r.devices / base, r.name) for r in runs if r.throughput()
+        )
+        ax.plot([d for d, _, _ in effs], [e for _, e, _ in effs], "o")
+        for d, e, name in effs:
+            ax.annotate(name, (d, e), fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set(xlabel="devices", ylabel="scaling efficiency", title="Scaling efficiency vs devices")
+        save(fig, "scaling.png")
+    return written
+
+
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ddpexp-report", description=__doc__.split("\n")[0])
+    parser.add_argument("dirs", nargs="+", type=Path, help="sweep or run directories")
+    parser.add_argument("--target", type=float, default=0.95, help="accuracy for 'time to target' (0.95)")
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default: the first dir)")
+    args = parser.parse_args(argv)
+    missing = [d for d in args.dirs if not d.is_dir()]
+    if missing:
+        print(f"ddpexp-report: error: {missing[0]} is not a directory", file=sys.stderr)
+        sys.exit(2)
+    runs = find_runs(args.dirs)
+    if not runs:
+        print(
+            f"ddpexp-report: error: no runs (metrics.json) under {', '.join(map(str, args.dirs))}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    out = args.out or args.dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    table = rows(runs, args.target)
+    images = plots(runs, out)
+    body = [
+        f"# ddpexp report: {', '.join(map(str, args.dirs))}",
+        "",
+        f"{len(runs)} runs; time to target = first eval accuracy >= {args.target:.0%}.",
+        "",
+        markdown(table),
+        "",
+        *(f"![{p.stem}]({p.name})" for p in images),
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(body))
+    print(plain(table))
+    print(f"report: {out / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()
