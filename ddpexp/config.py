@@ -42,6 +42,14 @@ class StrategyConfig:
     # ddp, ddp_mp: DDP's gradient bucket size in MB (None: DDP's default, 25). naive_allreduce: None
     # = one all_reduce per parameter, a size = gradients flattened into buckets of that size.
     bucket_cap_mb: float | None = None
+    # ddp, ddp_mp: DistributedDataParallel settings. gradient_as_bucket_view saves a gradient copy;
+    # static_graph lets DDP optimise a graph that never changes; broadcast_buffers (None: on, except
+    # with sync_bn, where BatchNorm statistics are already global) re-sends rank 0's buffers each
+    # forward; find_unused_parameters is for models whose forward skips parameters (slower).
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    broadcast_buffers: bool | None = None
+    find_unused_parameters: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Engine:
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
         self._params = [p for p in model.base.parameters() if p.requires_grad]
+        self._first_step_done = False
         dtype = AUTOCAST[settings.precision]
         self._autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
             (lambda: torch.autocast(device_type=device.type, dtype=dtype))
@@ -247,6 +249,11 @@ class Engine:
             self.scheduler.step()
         self.pos.step += 1
         self.pos.step_in_epoch += 1
+        if not self._first_step_done:
+            self._first_step_done = True
+            t0 = os.environ.get("DDPEXP_T0")  # set when the ddpexp command started
+            if t0:
+                self.recorder.update(time_to_first_step_s=time.time() - float(t0))
 
     def _checkpoint(self, values: dict[str, float], *, periodic: bool) -> None:
         if self.on_checkpoint is not None:

@@ -90,7 +90,9 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
 
 
 def configure_determinism(enabled: bool) -> None:
-    if enabled:
+    if not enabled:
+        torch.backends.cudnn.benchmark = True  # fastest conv algorithms for fixed input shapes
+    else:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False

@@ -87,6 +87,15 @@ def refuse_extras(cfg: DictConfig, name: str) -> None:
             setting="strategy.bucket_cap_mb",
             fix="use it with ddp, ddp_mp or naive_allreduce",
         )
+    ddp_only = {"gradient_as_bucket_view": True, "static_graph": False, "broadcast_buffers": None}
+    changed = [k for k, default in ddp_only.items() if cfg.strategy.get(k, default) != default]
+    changed += ["find_unused_parameters"] if cfg.strategy.get("find_unused_parameters") else []
+    if name not in ("ddp", "ddp_mp") and changed:
+        raise UserError(
+            f"{changed[0]} is a DistributedDataParallel setting; strategy {name} does not use DDP",
+            setting=f"strategy.{changed[0]}",
+            fix="use it with strategy=ddp or ddp_mp",
+        )
     if name != "dp" and cfg.strategy.device_ids is not None:
         raise UserError(
             f"device_ids is a DataParallel setting; strategy {name} does not use it",

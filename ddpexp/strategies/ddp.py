@@ -36,8 +36,17 @@ def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
 
 
 def bucket_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    cap = cfg.strategy.bucket_cap_mb
-    return {} if cap is None else {"bucket_cap_mb": float(cap)}
+    """DistributedDataParallel's keyword arguments from strategy.* (shared with ddp_mp)."""
+    s = cfg.strategy
+    kwargs: dict[str, Any] = {
+        "gradient_as_bucket_view": bool(s.gradient_as_bucket_view),
+        "static_graph": bool(s.static_graph),
+        "broadcast_buffers": (not s.sync_bn) if s.broadcast_buffers is None else bool(s.broadcast_buffers),
+        "find_unused_parameters": bool(s.find_unused_parameters),
+    }
+    if s.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = float(s.bucket_cap_mb)
+    return kwargs
 
 
 def measure(ddp: DistributedDataParallel, cfg: DictConfig) -> CommMeter | None:

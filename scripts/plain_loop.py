@@ -1,0 +1,118 @@
+"""The baseline ddpexp is measured against: training written by hand the way the tutorials write it.
+
+DataLoader + DistributedSampler (set_epoch every epoch), DistributedDataParallel, SGD; the same model
+classes and the same synthetic data as ddpexp's `data=synthetic`. `--bare` instead re-uses one batch
+that already sits on the device (no data handling at all: the compute-only ceiling).
+
+    python scripts/plain_loop.py --model mlp --world 2 --num-train 8192 --epochs 2
+
+Prints one JSON line: samples/s of the last epoch (rank 0's wall clock, all ranks together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def make_data(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 28, 28, generator=g)
+    teacher = torch.randn(784, 10, generator=g) / math.sqrt(784)
+    return TensorDataset(x, (x.reshape(n, -1) @ teacher).argmax(1))
+
+
+def make_model(name: str) -> torch.nn.Module:
+    if name == "mlp":
+        from ddpexp.models.mlp import mlp
+
+        return mlp(num_classes=10, input_shape=[1, 28, 28])
+    from ddpexp.models.convnet import convnet
+
+    return convnet(num_classes=10, input_shape=[1, 28, 28])
+
+
+def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
+    world = args.world
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(0)
+    model = make_model(args.model)
+    if world > 1:
+        model = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = make_data(args.num_train)
+    per_rank = args.batch_size // world
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True)
+    fixed = next(iter(loader))
+    elapsed = steps = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        if world > 1:
+            dist.barrier()
+        start, steps = time.perf_counter(), 0
+        batches = (fixed for _ in range(len(loader))) if args.bare else loader
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+        if world > 1:
+            dist.barrier()
+        elapsed = time.perf_counter() - start
+    if rank == 0:
+        out["samples_per_s"] = steps * args.batch_size / elapsed
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, path: str) -> None:
+    out: dict = {}
+    train(rank, args, port, out)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--num-train", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--bare", action="store_true")
+    args = p.parse_args()
+    if args.world == 1:
+        out: dict = {}
+        train(0, args, 0, out)
+    else:
+        import socket
+        import tempfile
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            mp.start_processes(_worker, args=(args, port, tmp.name), nprocs=args.world, start_method="spawn")
+            out = json.loads(Path(tmp.name).read_text())
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
