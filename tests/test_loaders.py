@@ -33,6 +33,17 @@ def test_exact_shard_counts_every_sample_once(n: int, world: int):
     assert sorted(i for s in shards for i in s) == list(range(n))
 
 
+@pytest.mark.parametrize("n", [1, 2, 83, 512])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_shard_order_length_is_the_length_of_its_indices(n: int, world: int):
+    from ddpexp.data.loaders import ShardOrder
+
+    for train in (True, False):
+        for rank in range(world):
+            order = ShardOrder(n, rank=rank, world=world, seed=1, train=train)
+            assert len(order) == len(order.indices()) == len(list(order))
+
+
 def _batches(mode: str, split: Split, *, train: bool, rank: int, world: int, epoch: int) -> list[list[int]]:
     loader = build(
         split,

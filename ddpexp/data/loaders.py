@@ -2,11 +2,12 @@
 
 - device-resident (`TensorLoader`): the split lives as tensors on the training device and batches are
   drawn by indexing, with no per-sample Python work at all;
-- DataLoader (`TorchLoader`): torch's DataLoader + DistributedSampler, for data that needs per-sample
-  CPU transforms or does not fit in memory.
+- DataLoader (`TorchLoader`): torch's DataLoader, for data that needs per-sample CPU transforms or does
+  not fit in memory.
 
-Both give every rank exactly the samples DistributedSampler would give it for the same seed, epoch and
-world size (`distributed_order`), so switching paths never changes what is trained on. Evaluation shards
+Both draw from one `ShardOrder`, which gives every rank exactly the samples DistributedSampler would
+give it for the same seed, epoch and world size (`distributed_order`), so switching paths never changes
+what is trained on. Evaluation shards
 are exact: rank r takes samples r, r+W, r+2W... with no padding, so each sample is counted once.
 """
 
@@ -60,6 +61,38 @@ def exact_shard(n: int, *, rank: int, world: int) -> torch.Tensor:
     return torch.arange(rank, max(n, rank), world)  # empty when there are fewer samples than ranks
 
 
+class ShardOrder(Sampler[int]):
+    """The order in which one rank visits its shard of a split: DistributedSampler's permutation for
+    training (`distributed_order`), the exact shard for evaluation. Both loader paths draw from it, so
+    they cannot disagree. As a Sampler (the DataLoader path) its next iteration can begin `skip`
+    samples in, so a resumed epoch loads nothing it will not use."""
+
+    def __init__(self, n: int, *, rank: int, world: int, seed: int, train: bool) -> None:
+        self.n, self.rank, self.world, self.seed, self.train = n, rank, world, seed, train
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch = epoch
+        self.skip = skip
+
+    def indices(self) -> torch.Tensor:
+        if self.train:
+            return distributed_order(
+                self.n, rank=self.rank, world=self.world, seed=self.seed, epoch=self.epoch
+            )
+        return exact_shard(self.n, rank=self.rank, world=self.world)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return iter(self.indices()[skip:].tolist())
+
+    def __len__(self) -> int:
+        if self.train:  # padded to a multiple of the world size, like DistributedSampler
+            return math.ceil(self.n / self.world)
+        return max(0, math.ceil((self.n - self.rank) / self.world))
+
+
 class TensorLoader:
     """Batches by indexing tensors that already sit on the training device."""
 
@@ -78,63 +111,25 @@ class TensorLoader:
         self.x = x.to(device)
         self.y = y.to(device)
         self.batch_size = batch_size
-        self.rank, self.world, self.seed = rank, world, seed
         self.device = device
-        self.train = train
-        self.epoch = 0
+        self.order = ShardOrder(len(y), rank=rank, world=world, seed=seed, train=train)
         self.start = 0
-        per_rank = math.ceil(len(y) / world) if train else len(exact_shard(len(y), rank=rank, world=world))
-        self._len = num_batches(per_rank, batch_size, train=train)
+        self._len = num_batches(len(self.order), batch_size, train=train)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch = epoch
+        self.order.set_epoch(epoch)
         self.start = start
-
-    def indices(self) -> torch.Tensor:
-        n = len(self.y)
-        if self.train:
-            return distributed_order(n, rank=self.rank, world=self.world, seed=self.seed, epoch=self.epoch)
-        return exact_shard(n, rank=self.rank, world=self.world)
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[Batch]:
-        idx = self.indices().to(self.device)
+        idx = self.order.indices().to(self.device)
         b = self.batch_size
         start, self.start = self.start, 0
         for i in range(start, self._len):
             sel = idx[i * b : (i + 1) * b]
             yield self.x.index_select(0, sel), self.y.index_select(0, sel)
-
-
-class _ResumableSampler(Sampler[int]):
-    """DataLoader counterpart of `TensorLoader.indices`: DistributedSampler's order for training (the
-    same permutation, see `distributed_order`), the exact shard for evaluation; the next iteration
-    can begin `skip` samples in, so a resumed epoch loads nothing it will not use."""
-
-    def __init__(self, n: int, *, rank: int, world: int, seed: int, train: bool) -> None:
-        self.n, self.rank, self.world, self.seed, self.train = n, rank, world, seed, train
-        self.epoch = 0
-        self.skip = 0
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.epoch = epoch
-        self.skip = skip
-
-    def _order(self) -> torch.Tensor:
-        if self.train:
-            return distributed_order(
-                self.n, rank=self.rank, world=self.world, seed=self.seed, epoch=self.epoch
-            )
-        return exact_shard(self.n, rank=self.rank, world=self.world)
-
-    def __iter__(self) -> Iterator[int]:
-        skip, self.skip = self.skip, 0
-        return iter(self._order()[skip:].tolist())
-
-    def __len__(self) -> int:
-        return len(self._order())
 
 
 class TorchLoader:
@@ -156,9 +151,8 @@ class TorchLoader:
     ) -> None:
         n = len(dataset)  # type: ignore[arg-type]
         self.batch_size = batch_size
-        self.sampler = _ResumableSampler(n, rank=rank, world=world, seed=seed, train=train)
-        per_rank = len(self.sampler)
-        self._len = num_batches(per_rank, batch_size, train=train)
+        self.sampler = ShardOrder(n, rank=rank, world=world, seed=seed, train=train)
+        self._len = num_batches(len(self.sampler), batch_size, train=train)
         self.loader = DataLoader(
             dataset,
             batch_size=batch_size,
