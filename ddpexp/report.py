@@ -47,9 +47,7 @@ class Run:
 
     @property
     def devices(self) -> int:
-        f = self.facts
-        per = f.get("devices_per_process", 1) if f.get("device_type") == "cuda" else 1
-        return int(f.get("world_size", 1)) * int(per)
+        return int(self.facts.get("devices", 1))  # Plan.devices, recorded by the run
 
     def values(self, tag: str) -> list[float]:
         return [v for _, v, _ in self.scalars.get(tag, [])]

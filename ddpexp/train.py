@@ -73,8 +73,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
             channels_last=t.channels_last,
             checkpoint_every_epochs=cfg.checkpoint.every_epochs,
             checkpoint_every_steps=cfg.checkpoint.every_steps,
-            # CPU "devices" of one process are the same cores: count processes there.
-            devices=job.plan.world_size * (job.plan.devices_per_process if ctx.device.type == "cuda" else 1),
+            devices=job.plan.devices,
         ),
         device=ctx.device,
         scheduler=scheduler,
@@ -280,6 +279,7 @@ def run_facts(
         "nnodes": max(p.world_size // p.nprocs_per_node, 1),
         "devices_per_process": p.devices_per_process,
         "replicas": p.replicas,
+        "devices": p.devices,
         "sync_bn": bool(job.cfg.strategy.sync_bn),
         "global_batch_size": p.global_batch,
         "per_rank_batch_size": p.per_rank_batch * job.cfg.trainer.accumulate,

@@ -66,6 +66,12 @@ class Plan:
     replicas: int  # model replicas sharing one global batch (world size; DataParallel: its GPUs)
     device_ids: list[int] | None = None  # explicit devices of this process (DataParallel)
 
+    @property
+    def devices(self) -> int:
+        """Devices training in parallel: GPUs on CUDA; on CPU a process's "devices" are the same cores,
+        so processes count."""
+        return self.world_size * (self.devices_per_process if self.device_type == "cuda" else 1)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -66,6 +66,7 @@ def test_one_tensorboard_run_per_job_with_scalars_and_hparams(preset_sweep: Path
         assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hp.keys()
         facts = metrics(preset_sweep / job)["facts"]
         assert facts["model"] == "convnet" and facts["global_batch_size"] == 64
+        assert facts["devices"] == (2 if job.startswith("strategy=ddp") else 1)
     assert metrics(preset_sweep / "strategy=ddp_sync_bn")["facts"]["sync_bn"] is True
 
 

@@ -57,7 +57,8 @@ def _host(gpus: int) -> HostFacts:
     ("overrides", "gpus", "expect"),
     [
         (["strategy=ddp"], 8, dict(world_size=8, backend="nccl", per_rank_batch=8, replicas=8)),
-        (["strategy=ddp_mp"], 8, dict(world_size=4, devices_per_process=2, per_rank_batch=16)),
+        (["strategy=ddp_mp"], 8, dict(world_size=4, devices_per_process=2, per_rank_batch=16, devices=8)),
+        (["strategy=ddp_mp"], 0, dict(world_size=2, devices_per_process=2, devices=2)),
         (["strategy=ddp_mp", "strategy.stages=4"], 8, dict(world_size=2, devices_per_process=4)),
         (["strategy=dp"], 4, dict(world_size=1, replicas=4, device_ids=[0, 1, 2, 3], per_rank_batch=64)),
         (["strategy=dp", "strategy.device_ids=[1,3]"], 4, dict(replicas=2, device_ids=[1, 3])),
