@@ -87,9 +87,13 @@ def refuse_extras(cfg: DictConfig, name: str) -> None:
             setting="strategy.bucket_cap_mb",
             fix="use it with ddp, ddp_mp or naive_allreduce",
         )
-    ddp_only = {"gradient_as_bucket_view": True, "static_graph": False, "broadcast_buffers": None}
+    ddp_only = {
+        "gradient_as_bucket_view": True,
+        "static_graph": False,
+        "broadcast_buffers": None,
+        "find_unused_parameters": False,
+    }
     changed = [k for k, default in ddp_only.items() if cfg.strategy.get(k, default) != default]
-    changed += ["find_unused_parameters"] if cfg.strategy.get("find_unused_parameters") else []
     if name not in ("ddp", "ddp_mp") and changed:
         raise UserError(
             f"{changed[0]} is a DistributedDataParallel setting; strategy {name} does not use DDP",
