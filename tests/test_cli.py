@@ -43,6 +43,8 @@ REFUSALS = [
     (["trainer.mode=eval"], ["trainer.resume"]),
     (["strategy=ddp", "trainer.accumulate=3"], ["trainer.batch_size", "accumulated", "66"]),
     (["optim.schedule=linear"], ["optim.schedule", "cosine"]),
+    (["strategy=dp", "strategy.static_graph=true"], ["strategy.static_graph", "strategy=ddp"]),
+    (["strategy.bucket_cap_mb=5"], ["strategy.bucket_cap_mb", "naive_allreduce"]),
     (["-m", "data=mnist,cifar10", "data.root=/x"], ["data.root", "++data.root"]),
 ]
 

@@ -78,3 +78,37 @@ def test_gpu_layout_refusals():
         plan(compose(config_name="config", overrides=["strategy=ddp_mp", "dist.nprocs=3"]), _host(4))
     with pytest.raises(UserError, match="device_ids"):
         plan(compose(config_name="config", overrides=["strategy=dp", "strategy.device_ids=[4]"]), _host(4))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expect"),
+    [
+        ([], dict(gradient_as_bucket_view=True, static_graph=False, broadcast_buffers=True)),
+        (["strategy.sync_bn=true"], dict(broadcast_buffers=False)),
+        (
+            [
+                "strategy.static_graph=true",
+                "strategy.gradient_as_bucket_view=false",
+                "strategy.bucket_cap_mb=1",
+            ],
+            dict(static_graph=True, gradient_as_bucket_view=False, bucket_bytes_cap=2**20),
+        ),
+        (["strategy.find_unused_parameters=true"], dict(find_unused_parameters=True)),
+    ],
+)
+def test_ddp_settings_reach_distributed_data_parallel(overrides: list[str], expect: dict, tmp_path: Path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpexp.strategies.ddp import SYNC_BUFFERS_ARG, bucket_kwargs
+
+    cfg = compose(config_name="config", overrides=["strategy=ddp", *overrides])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 2), **bucket_kwargs(cfg))
+        for name, value in expect.items():
+            if name == "broadcast_buffers":  # its name in this torch version
+                name = SYNC_BUFFERS_ARG
+            assert getattr(ddp, name) == value, name
+    finally:
+        dist.destroy_process_group()

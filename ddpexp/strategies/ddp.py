@@ -3,6 +3,7 @@ that overlap the backward pass. Initial weights are broadcast from rank 0 when t
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 from torch.nn.parallel import DistributedDataParallel
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
     from ..validate import HostFacts
 
 USES_PROCESS_GROUP = True
+SYNC_BUFFERS_ARG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 def devices_per_process(cfg: DictConfig, device_type: str, host: HostFacts) -> int:
@@ -38,10 +44,13 @@ def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
 def bucket_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """DistributedDataParallel's keyword arguments from strategy.* (shared with ddp_mp)."""
     s = cfg.strategy
+    sync_buffers = (not s.sync_bn) if s.broadcast_buffers is None else bool(s.broadcast_buffers)
     kwargs: dict[str, Any] = {
         "gradient_as_bucket_view": bool(s.gradient_as_bucket_view),
         "static_graph": bool(s.static_graph),
-        "broadcast_buffers": (not s.sync_bn) if s.broadcast_buffers is None else bool(s.broadcast_buffers),
+        # Newer torch renames the per-forward re-broadcast (and warns on the old name); the buffers are
+        # synced at wrap time either way, which is what we want (every rank starts from rank 0's).
+        SYNC_BUFFERS_ARG: sync_buffers,
         "find_unused_parameters": bool(s.find_unused_parameters),
     }
     if s.bucket_cap_mb is not None:
