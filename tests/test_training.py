@@ -253,3 +253,33 @@ def test_resume_from_a_bad_path_is_refused_before_anything_starts(tmp_path: Path
         assert result.returncode == 2, result
         assert "trainer.resume" in result.stderr and str(target) in result.stderr
     assert list(run.iterdir()) == []
+
+
+@pytest.mark.multiproc
+def test_less_common_settings_take_effect(tmp_path: Path):
+    """eval_every_steps adds mid-epoch evaluations, measure_comm=false drops the comm tags, best.pt
+    follows best_metric/best_mode, and deterministic/fused/nesterov runs complete."""
+    result = run_ddpexp(
+        tmp_path,
+        "strategy=ddp",
+        *QUICK,
+        "trainer.epochs=2",
+        "trainer.eval_every_steps=10",
+        "trainer.measure_comm=false",
+        "checkpoint.best_metric=eval/loss",
+        "checkpoint.best_mode=min",
+        "trainer.deterministic=true",
+        "optim.fused=true",
+        "optim.nesterov=true",
+        "hydra.run.dir=run",
+    )
+    assert result.returncode == 0, result
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/loss")] == [10, 20, 30, 32, 40, 50, 60, 64]
+    assert not any(tag.startswith("comm/") for tag in acc.Tags()["scalars"])
+    history = metrics(tmp_path / "run")["history"]
+    best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
+    assert best["metrics"]["best"] == min(h["eval/loss"] for h in history)
