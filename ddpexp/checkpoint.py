@@ -23,14 +23,15 @@ import logging
 import os
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from .errors import UserError
-from .fsutil import atomic_write_bytes
+from .fsutil import atomic_write, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +96,35 @@ class Checkpointer:
         self.dir = run_dir / DIR
         self.run_dir = run_dir
         self.keep_last_k = keep_last_k
+        self.while_saving: Callable[[int], None] | None = None  # fault injection (ddpexp.faults)
+        # A process killed mid-save leaves its temporary file behind; nothing reads it, so clear it.
+        for leftover in self.dir.glob(".*.tmp") if self.dir.is_dir() else []:
+            leftover.unlink(missing_ok=True)
 
     def save(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         data = serialize(state)
         if periodic:
             path = step_file(self.run_dir, state["step"])
-            atomic_write_bytes(path, data)
+            self._write(path, data, state["step"])
             self._point_last_at(path)
             self._prune()
         if best:
-            atomic_write_bytes(self.dir / "best.pt", data)
+            self._write(self.dir / "best.pt", data, state["step"])
+
+    def _write(self, path: Path, data: bytes, step: int) -> None:
+        hook = self.while_saving
+        if hook is None:
+            atomic_write_bytes(path, data)
+            return
+
+        def write_with_hook(f: IO[bytes]) -> None:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            hook(step)
+            f.write(data[len(data) // 2 :])
+
+        atomic_write(path, write_with_hook)
 
     def _point_last_at(self, path: Path) -> None:
         tmp = self.dir / ".last.pt.tmp"
@@ -137,7 +156,9 @@ def load(path: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path} does not exist") from exc
     except Exception as exc:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from exc
+        # torch's own message runs to several paragraphs; its first sentence is the useful part.
+        first = next(iter(str(exc).strip().splitlines()), "").split(". ")[0][:200]
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {first})") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint")
     if "format" not in state:  # a bare state_dict (model.pt): weights only
@@ -177,7 +198,35 @@ def resolve(resume: str, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         ) from exc
 
 
-def check_resume(resume: str | None) -> None:
-    """Pre-flight: an explicit checkpoint path must exist and load."""
+def check_resume(resume: str | None, model: torch.nn.Module) -> None:
+    """Pre-flight: an explicit checkpoint path must exist, load, and fit the configured model."""
     if resume and resume != "auto":
-        resolve(resume, Path("."))
+        found = resolve(resume, Path("."))
+        assert found is not None
+        check_matches(found[1]["model"], model, found[0])
+
+
+def check_matches(weights: dict[str, Any], model: torch.nn.Module, path: Path | str) -> None:
+    """A checkpoint's weights must fit the configured model: same parameter/buffer names and shapes.
+    Works on a model built on the meta device, so pre-flight can check without allocating it."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    problems = []
+    if missing := [k for k in expected if k not in found]:
+        problems.append(f"missing {_some(missing)}")
+    if unexpected := [k for k in found if k not in expected]:
+        problems.append(f"unexpected {_some(unexpected)}")
+    differ = [k for k in expected if k in found and found[k] != expected[k]]
+    if shapes := [f"{k} {found[k]} vs {expected[k]}" for k in differ]:
+        problems.append(f"different shapes (checkpoint vs model) {_some(shapes)}")
+    if problems:
+        raise UserError(
+            f"{path} does not fit the configured model: {'; '.join(problems)}",
+            setting="trainer.resume",
+            fix="choose the model (and data) the checkpoint was trained with, or another checkpoint",
+        )
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

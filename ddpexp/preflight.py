@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import optim
+from . import faults, optim
 from .errors import UserError
 from .validate import ExternalWorld, HostFacts, Plan, plan
 
@@ -25,13 +25,14 @@ def check_job(
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
-    check_model(cfg.model, source.info(), cfg)
+    model = check_model(cfg.model, source.info(), cfg)
     if p.launcher == "spawn":
         check_port(cfg)
         check_init_file(cfg)
+    faults.check(p.world_size)
     from .checkpoint import check_resume
 
-    check_resume(cfg.trainer.resume)
+    check_resume(cfg.trainer.resume, model)
     if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume:
         check_run_dir(Path(cfg.hydra.run.dir))
     return p
@@ -46,7 +47,7 @@ def instantiate_data(data_cfg: DictConfig) -> Any:
         raise UserError(_cause(exc), setting="data", fix="check data._target_ and its arguments") from exc
 
 
-def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> None:
+def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     """Build the model on the meta device: catches unknown arguments, data mismatches and models the
     strategy cannot handle in milliseconds, without allocating a single weight."""
     import torch
@@ -64,6 +65,7 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> None:
     check_strategy_model = getattr(strategies.get(cfg.strategy.name), "check_model", None)
     if check_strategy_model is not None:
         check_strategy_model(model, cfg)
+    return model
 
 
 def check_port(cfg: DictConfig) -> None:
@@ -80,11 +82,19 @@ def check_port(cfg: DictConfig) -> None:
 
 def check_init_file(cfg: DictConfig) -> None:
     path = cfg.dist.init_file
-    if cfg.init.value == "file" and path is not None and Path(path).exists():
+    if cfg.init.value != "file" or path is None:
+        return
+    if Path(path).exists():
         raise UserError(
             f"rendezvous file {path} already exists (a stale file would join the wrong run)",
             setting="dist.init_file",
             fix="delete it if no run uses it, or leave dist.init_file unset for a fresh one in the run dir",
+        )
+    if not Path(path).resolve().parent.is_dir():
+        raise UserError(
+            f"the directory of {path} does not exist",
+            setting="dist.init_file",
+            fix="create it on a filesystem every rank can see, or leave dist.init_file unset",
         )
 
 

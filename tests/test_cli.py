@@ -1,12 +1,20 @@
-"""The command line as a user meets it: help, --cfg, and one-line refusals that start nothing."""
+"""The command line as a user meets it: help, --cfg, and one-line refusals that start nothing.
+
+The refusal table runs `ddpexp.cli.main` in this process (one torch import instead of one per case);
+the tests below it go through a real `python -m ddpexp` subprocess, exit code and stderr included."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
-from .conftest import REPO, run_ddpexp
+from ddpexp import cli
+
+from .conftest import run_ddpexp
 
 REFUSALS = [
     # (overrides, words the one-line error must contain)
@@ -46,19 +54,89 @@ REFUSALS = [
     (["strategy=dp", "strategy.static_graph=true"], ["strategy.static_graph", "strategy=ddp"]),
     (["strategy.bucket_cap_mb=5"], ["strategy.bucket_cap_mb", "naive_allreduce"]),
     (["-m", "data=mnist,cifar10", "data.root=/x"], ["data.root", "++data.root"]),
+    (["strategy=sgd"], ["sgd", "ddp", "single"]),
+    (["data=mnist2"], ["mnist2", "digits"]),
+    (["trainer.epochs=0"], ["trainer.epochs", "> 0"]),
+    (["trainer.batch_size=0"], ["trainer.batch_size"]),
+    (["strategy=ddp", "dist.nprocs=0"], ["dist.nprocs"]),
+    (["strategy=ddp", "dist.max_restarts=-1"], ["dist.max_restarts", ">= 0"]),
+    (["strategy=ddp", "init=tcp", "dist.master_addr=10.0.0.300"], ["dist.master_addr", "10.0.0.300"]),
+    (["strategy=ddp", "init=tcp", "dist.master_addr=node1:29500"], ["dist.master_port=29500"]),
+    (["strategy=ddp", "dist.master_port=70000"], ["dist.master_port", "70000"]),
+    (
+        ["strategy=ddp", "init=file", "dist.init_file=/nonexistent/dir/rdzv"],
+        ["dist.init_file", "/nonexistent/dir/rdzv", "does not exist"],
+    ),
+    (
+        ["trainer.resume=/nonexistent/step-1.pt"],
+        ["trainer.resume", "/nonexistent/step-1.pt", "does not exist"],
+    ),
 ]
 
 
+def refuse(cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run the command line in this process; it must exit 2 with one line, start and create nothing."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("DDPEXP_T0", raising=False)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(args))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpexp: error: "), err
+    assert psutil.Process().children() == []  # nothing launched
+    assert list(cwd.iterdir()) == []  # no run or sweep directory
+    return lines[0]
+
+
 @pytest.mark.parametrize(("args", "words"), REFUSALS, ids=[" ".join(a) for a, _ in REFUSALS])
-def test_bad_input_is_refused_in_one_line_before_anything_starts(tmp_path: Path, args, words):
-    result = run_ddpexp(tmp_path, *args, timeout=120, env={"PYTHONPATH": str(REPO)})
-    assert result.returncode == 2, result
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ddpexp: error: "), result
+def test_bad_input_is_refused_in_one_line_before_anything_starts(
+    tmp_path: Path, monkeypatch, capsys, args, words
+):
+    line = refuse(tmp_path, monkeypatch, capsys, *args)
     for word in words:
-        assert word in lines[0], (word, lines[0])
-    assert "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == []  # no run or sweep directory, nothing launched
+        assert word in line, (word, line)
+
+
+def test_a_pinned_port_in_use_is_refused_naming_it(tmp_path: Path, monkeypatch, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = refuse(tmp_path, monkeypatch, capsys, "strategy=ddp", f"dist.master_port={port}")
+    assert "dist.master_port" in line and str(port) in line and "already in use" in line
+
+
+def test_a_corrupt_checkpoint_is_refused(tmp_path: Path, tmp_path_factory, monkeypatch, capsys):
+    broken = tmp_path_factory.mktemp("elsewhere") / "broken.pt"
+    broken.write_bytes(b"not a checkpoint")
+    line = refuse(tmp_path, monkeypatch, capsys, f"trainer.resume={broken}")
+    assert "trainer.resume" in line and str(broken) in line and "not a readable checkpoint" in line
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(
+    tmp_path, tmp_path_factory, monkeypatch, capsys
+):
+    from ddpexp.models.mlp import mlp
+
+    saved = tmp_path_factory.mktemp("elsewhere") / "mlp.pt"
+    torch.save(mlp(num_classes=10, input_shape=[1, 28, 28], hidden=[32]).state_dict(), saved)
+    line = refuse(tmp_path, monkeypatch, capsys, "model=convnet", f"trainer.resume={saved}")
+    assert "does not fit the configured model" in line and "missing" in line and "unexpected" in line
+    assert "more)" in line  # long key lists are cut short
+    line = refuse(tmp_path, monkeypatch, capsys, "model=mlp", "model.hidden=[16]", f"trainer.resume={saved}")
+    assert "different shapes (checkpoint vs model) body.1.weight (32, 784) vs (16, 784)" in line
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [("rank1:step5:explode", ["rank<R>:step<S>"]), ("rank2:step5:kill", ["can never fire", "2 rank(s)"])],
+)
+def test_a_malformed_fault_is_refused(tmp_path: Path, monkeypatch, capsys, spec: str, words: list[str]):
+    monkeypatch.setenv("DDPEXP_FAULT", spec)
+    line = refuse(tmp_path, monkeypatch, capsys, "strategy=ddp")
+    assert all(w in line for w in words), line
 
 
 def test_a_run_never_reuses_a_directory_that_holds_results(tmp_path: Path):
