@@ -11,6 +11,7 @@ rendezvous store, so there is one composition and one run directory however many
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import logging
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(help_text(conf_dir()))
         return
-    if _torchrun_rank() not in (None, 0):
+    if _torchrun_rank() not in (None, 0) or _torchrun_rejoins():
         sys.exit(_torchrun_follower())
     try:
         if _is_plain_run(args):
@@ -264,6 +265,21 @@ def _torchrun_rank() -> int | None:
     return None
 
 
+def _torchrun_rejoins() -> bool:
+    """Rank 0 restarted by torchrun (--max-restarts) after its job was published: it takes the job from
+    the store like the other ranks, so the restart continues the same run directory."""
+    if _torchrun_rank() != 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    return bool(_store().check([JOB_KEY]))
+
+
+def _pg_store(store: Any) -> Any:
+    """The process group's keys, fresh for every torchrun restart (torchrun keeps its store across them)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def _external_world() -> Any:
     from .validate import ExternalWorld
 
@@ -276,6 +292,7 @@ def _external_world() -> Any:
     )
 
 
+@functools.cache
 def _store() -> Any:
     import torch.distributed as dist
 
@@ -292,8 +309,6 @@ def _publish(payload: dict[str, Any]) -> None:
 
 def _torchrun_leader(job: Any) -> int:
     """Rank 0 under torchrun: hand the job to the other ranks, then train as rank 0."""
-    import torch.distributed as dist
-
     from .context import RunContext
     from .worker import configure_process, execute, run_guarded
 
@@ -301,13 +316,11 @@ def _torchrun_leader(job: Any) -> int:
     store.set(JOB_KEY, json.dumps(job.to_dict()))
     ctx = RunContext.for_process(job.plan, job.run_dir)
     configure_process(ctx, console=True)
-    return run_guarded(lambda: execute(job, ctx, store=dist.PrefixStore("pg", store)), ctx)
+    return run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx)
 
 
 def _torchrun_follower() -> int:
     """Ranks other than 0 under torchrun: wait for rank 0's resolved job (never call Hydra)."""
-    import torch.distributed as dist
-
     from .context import RunContext
     from .job import Job
     from .worker import configure_process, execute, raise_on_sigterm, run_guarded
@@ -320,5 +333,5 @@ def _torchrun_follower() -> int:
         return UserError.exit_code  # rank 0 printed the reason
     job = Job.from_dict(payload)
     ctx = RunContext.for_process(job.plan, job.run_dir)
-    configure_process(ctx, console=False)
-    return run_guarded(lambda: execute(job, ctx, store=dist.PrefixStore("pg", store)), ctx)
+    configure_process(ctx, console=ctx.is_main)
+    return run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx)

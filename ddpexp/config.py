@@ -65,6 +65,9 @@ class DistConfig:
     # init=file only: the rendezvous file, on a path every rank can see. None: a fresh file in the run
     # directory. An existing file is refused (a stale one would join the wrong run); removed at the end.
     init_file: str | None = None
+    # Restart the workers this many times after a failure; each restart resumes from the run's newest
+    # valid checkpoint (from scratch if there is none). Under torchrun use its --max-restarts instead.
+    max_restarts: int = 0
 
 
 @dataclass

@@ -20,6 +20,7 @@ class RunContext:
     devices: tuple[torch.device, ...]  # the devices this process drives (several for model parallel)
     run_dir: Path
     plan: Plan
+    attempt: int = 0  # 0 for the first start; n after n automatic restarts (ddpexp's or torchrun's)
 
     @property
     def device(self) -> torch.device:
@@ -48,6 +49,13 @@ class RunContext:
             devices = tuple(torch.device("cuda", local_rank * k + i) for i in range(k))
         else:
             devices = tuple(torch.device("cpu") for _ in range(k))
+        attempt = int(env.get("DDPEXP_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT") or 0)
         return cls(
-            rank=rank, local_rank=local_rank, world_size=world, devices=devices, run_dir=run_dir, plan=plan
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world,
+            devices=devices,
+            run_dir=run_dir,
+            plan=plan,
+            attempt=attempt,
         )

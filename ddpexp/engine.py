@@ -73,6 +73,7 @@ class Engine:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         scaler: torch.amp.GradScaler | None = None,
         on_checkpoint: Callable[[Position, dict[str, float], bool], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -84,6 +85,7 @@ class Engine:
         self.scheduler = scheduler
         self.scaler = scaler
         self.on_checkpoint = on_checkpoint
+        self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
@@ -169,6 +171,8 @@ class Engine:
             every = self.s.checkpoint_every_steps
             if every and self.step % every == 0 and self.pos.step_in_epoch < self.steps_per_epoch:
                 self._checkpoint({}, periodic=True)
+            if self.on_step is not None:
+                self.on_step(self.step)
             if self._done() or self.pos.step_in_epoch >= self.steps_per_epoch:
                 break
         # One reduction per epoch; reading it is the epoch's only host sync, so timing after it is honest.

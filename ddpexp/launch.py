@@ -80,7 +80,10 @@ def free_port(addr: str) -> int:
 
 
 def port_is_free(addr: str, port: int) -> bool:
+    """Whether a rendezvous server could listen on the port now. SO_REUSEADDR, as torch's TCPStore sets
+    it: connections of a finished run linger in TIME_WAIT for a minute and must not count as "in use"."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError:
@@ -97,6 +100,24 @@ class Worker:
 
 
 def spawn(job: Job) -> int:
+    """Start the workers and supervise them; after a failure, restart them up to dist.max_restarts
+    times (each attempt resumes from the run's newest valid checkpoint, see train.find_checkpoint)."""
+    restarts = job.cfg.dist.max_restarts
+    attempt = 0
+    while True:
+        code = _spawn_attempt(job, attempt)
+        if code in (0, UserError.exit_code, 130, 143) or attempt == restarts:
+            return code
+        attempt += 1
+        print(
+            f"ddpexp: restarting the workers ({attempt} of {restarts} restarts) from the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        _archive_errors(job.run_dir, attempt - 1)
+
+
+def _spawn_attempt(job: Job, attempt: int) -> int:
     cfg = job.cfg
     addr = cfg.dist.master_addr
     port = cfg.dist.master_port or free_port(addr)
@@ -111,13 +132,19 @@ def spawn(job: Job) -> int:
     url = _init_url(job, addr, port)
     try:
         workers = [
-            _start_worker(job, rank, addr=addr, port=port, url=url, logs=logs)
+            _start_worker(job, rank, addr=addr, port=port, url=url, logs=logs, attempt=attempt)
             for rank in range(job.plan.world_size)
         ]
         return Supervisor(job, workers).wait()
     finally:
         if job.plan.init == "file":
             init_file(job).unlink(missing_ok=True)
+
+
+def _archive_errors(run_dir: Path, attempt: int) -> None:
+    """A failed attempt's error records move aside, so the next attempt's root cause is its own."""
+    for path in (run_dir / "logs").glob("rank*.error.json"):
+        path.rename(path.with_name(path.name.replace(".error.json", f".attempt{attempt}.error.json")))
 
 
 def init_file(job: Job) -> Path:
@@ -129,7 +156,7 @@ def init_file(job: Job) -> Path:
 def _init_url(job: Job, addr: str, port: int) -> str:
     """How the workers find each other: env:// (MASTER_ADDR/PORT), tcp://addr:port, or file:///path."""
     if job.plan.init == "tcp":
-        return f"tcp://{addr}:{port}"
+        return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
     if job.plan.init == "file":
         path = init_file(job)
         if path.exists():  # pre-flight checked; another run may have created it since
@@ -138,12 +165,11 @@ def _init_url(job: Job, addr: str, port: int) -> str:
                 setting="dist.init_file",
                 fix="delete it if no run uses it, or choose another dist.init_file",
             )
-        path.parent.mkdir(parents=True, exist_ok=True)
         return f"file://{path}"
     return "env://"
 
 
-def _start_worker(job: Job, rank: int, *, addr: str, port: int, url: str, logs: Path) -> Worker:
+def _start_worker(job: Job, rank: int, *, addr: str, port: int, url: str, logs: Path, attempt: int) -> Worker:
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -155,6 +181,7 @@ def _start_worker(job: Job, rank: int, *, addr: str, port: int, url: str, logs: 
         DDPEXP_RUN_DIR=str(job.run_dir),
         DDPEXP_PARENT_PID=str(os.getpid()),
         DDPEXP_INIT_URL=url,
+        DDPEXP_ATTEMPT=str(attempt),
         DDPEXP_TTY="1" if sys.stdout.isatty() else "0",
         PYTHONUNBUFFERED="1",
     )

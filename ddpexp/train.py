@@ -13,12 +13,12 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 
-from . import checkpoint, distributed, models, optim, strategies
+from . import checkpoint, distributed, faults, models, optim, strategies
 from .context import RunContext
 from .data import DataSource, Splits, loaders
 from .engine import Engine, LoopSettings, Position
 from .job import Job
-from .recorder import NullRecorder, open_recorder
+from .recorder import NullRecorder, Recorder, open_recorder
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     scheduler = optim.build_schedule(optimizer, cfg.optim, total_steps)
     scaler = torch.amp.GradScaler("cuda") if str(t.precision) == "fp16" else None
     resumed = find_checkpoint(t.resume, ctx)
+    # After a restart without a checkpoint the run starts over: what the failed attempt logged is dropped.
+    resume_step = 0 if ctx.attempt > 0 and t.mode == "train" else None
+    if resumed and t.mode == "train":
+        resume_step = resumed[1].get("step", 0)
     facts = run_facts(job, ctx, splits, model, loader=mode, lr=lr, resumed=resumed)
     recorder = open_recorder(
         is_main=ctx.is_main,
@@ -52,7 +56,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         facts=facts,
         progress=t.progress,
         keep_last_k=cfg.checkpoint.keep_last_k,
-        resume_step=resumed[1].get("step", 0) if resumed and t.mode == "train" else None,
+        resume_step=resume_step,
     )
     engine = Engine(
         model=wrapped,
@@ -81,6 +85,11 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     )
     keeper = CheckpointKeeper(job, ctx, engine, recorder)
     engine.on_checkpoint = keeper
+    fault = faults.for_process(ctx.rank, ctx.attempt)
+    if fault is not None:
+        engine.on_step = fault.after_step
+        if isinstance(recorder, Recorder):
+            recorder.checkpointer.while_saving = fault.while_saving
     if resumed is not None:
         restore(engine, keeper, resumed, ctx, train=t.mode == "train")
     if t.mode == "eval":
@@ -98,13 +107,17 @@ def configure_determinism(enabled: bool) -> None:
 
 
 def find_checkpoint(resume: str | None, ctx: RunContext) -> tuple[Path, dict[str, Any]] | None:
-    """Rank 0 decides which checkpoint (for `auto`, the newest valid one); every rank loads that file."""
-    if not resume:
+    """Rank 0 decides which checkpoint (for `auto`, the newest valid one); every rank loads that file.
+    After an automatic restart, the run's own newest checkpoint comes first."""
+    candidates = (["auto"] if ctx.attempt > 0 and resume != "auto" else []) + ([resume] if resume else [])
+    if not candidates:
         return None
-    chosen = checkpoint.resolve(resume, ctx.run_dir) if ctx.is_main else None
+    chosen = None
+    if ctx.is_main:
+        chosen = next(filter(None, (checkpoint.resolve(r, ctx.run_dir) for r in candidates)), None)
     path = distributed.gather_objects(str(chosen[0]) if chosen else None)[0]
     if path is None:
-        log.info("trainer.resume=auto: no checkpoint in %s yet, starting from scratch", ctx.run_dir)
+        log.info("no checkpoint in %s yet, starting from scratch", ctx.run_dir)
         return None
     if chosen is not None:
         return chosen
@@ -120,6 +133,7 @@ def restore(
     train: bool,
 ) -> None:
     path, state = resumed
+    checkpoint.check_matches(state["model"], engine.model.base, path)
     engine.model.base.load_state_dict(state["model"])
     if not train or "optimizer" not in state:
         log.info("loaded weights from %s", path)

@@ -7,6 +7,7 @@ batch) is decided here once, in the parent, and shipped to the workers with the 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -95,7 +96,8 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
                 setting="strategy",
                 fix="use strategy=ddp under torchrun, or run without torchrun",
             )
-        launcher, nprocs, world = "inprocess", 1, 1
+        # A restart needs a supervisor outside the failing process: then even one process is spawned.
+        launcher, nprocs, world = ("spawn" if cfg.dist.max_restarts else "inprocess"), 1, 1
     elif external is not None:
         if _init(cfg) != "env":
             raise UserError(
@@ -103,6 +105,12 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
                 "connects the ranks",
                 setting="init",
                 fix="drop the init override when running under torchrun",
+            )
+        if cfg.dist.max_restarts:
+            raise UserError(
+                "is for self-launched runs; torchrun restarts its workers itself",
+                setting="dist.max_restarts",
+                fix="pass --max-restarts to torchrun instead (ddpexp resumes from the newest checkpoint)",
             )
         launcher, nprocs, world = "torchrun", external.local_world_size, external.world_size
     else:
@@ -169,9 +177,36 @@ def _check_sizes(cfg: DictConfig) -> None:
         )
     if cfg.loader.num_workers < 0:
         raise UserError("must be >= 0", setting="loader.num_workers", fix="set loader.num_workers=0 or more")
+    if cfg.dist.max_restarts < 0:
+        raise UserError("must be >= 0", setting="dist.max_restarts", fix="set dist.max_restarts=0 or more")
     port = cfg.dist.master_port
     if port is not None and not 0 < port < 65536:
         raise UserError(f"{port} is not a TCP port", setting="dist.master_port", fix="use 1..65535 or null")
+    _check_address(cfg.dist.master_addr)
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def _check_address(addr: str) -> None:
+    """dist.master_addr must be an IP address or a host name; the port goes in dist.master_port."""
+    import ipaddress
+
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(addr)
+        return
+    labels = addr.rstrip(".").split(".")
+    numeric = all(label.isdigit() for label in labels)
+    if numeric or len(addr) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
+        host, sep, port = addr.rpartition(":")
+        hint = (
+            f"dist.master_addr={host} dist.master_port={port}"
+            if sep and port.isdigit()
+            else "an IP address (10.0.0.1) or a host name (node001)"
+        )
+        raise UserError(
+            f"{addr!r} is not an IP address or host name", setting="dist.master_addr", fix=f"use {hint}"
+        )
 
 
 def _device_type(device: str, host: HostFacts) -> str:

@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Small, fast, BatchNorm-free experiment used by the multi-process tests.
 QUICK = ["model=mlp", "data=synthetic", "trainer.progress=false"]
+# QUICK with checkpoints every 20 steps; 32 steps per epoch at batch 64, so step 45 is mid-epoch 2.
+RESUME = [*QUICK, "checkpoint.every_steps=20", "optim.lr=0.05"]
 
 
 class Result:
@@ -64,3 +66,30 @@ def hydra_conf():
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         yield
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
+    """`uninterrupted(strategy)`: the run dir of an uninterrupted 70-step RESUME run, made once per
+    session; runs that were stopped, killed or restarted on the way to step 70 must end identical."""
+    made: dict[str, Path] = {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in made:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
+            result = run_ddpexp(
+                tmp, f"strategy={strategy}", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"
+            )
+            assert result.returncode == 0, result
+            made[strategy] = tmp / "run"
+        return made[strategy]
+
+    return get
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    """Whether two runs' final model.pt files are bitwise equal."""
+    import torch
+
+    wa, wb = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
+    return wa.keys() == wb.keys() and all(torch.equal(v, wb[k]) for k, v in wa.items())

@@ -17,9 +17,7 @@ from ddpexp.engine import Engine, LoopSettings
 from ddpexp.recorder import NullRecorder
 from ddpexp.strategies import Wrapped
 
-from .conftest import QUICK, metrics, run_ddpexp
-
-RESUME = [*QUICK, "checkpoint.every_steps=20", "optim.lr=0.05"]  # 32 steps per epoch at batch 64
+from .conftest import QUICK, RESUME, metrics, run_ddpexp, same_weights
 
 
 def ckpt(run_dir: Path) -> dict:
@@ -39,18 +37,16 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module", params=["single", "ddp"])
-def resumed(request, tmp_path_factory: pytest.TempPathFactory):
+def resumed(request, tmp_path_factory: pytest.TempPathFactory, uninterrupted):
     """An uninterrupted 70-step run, and a run stopped after 45 steps (mid-epoch 2) then resumed to 70."""
     strategy = request.param
     tmp = tmp_path_factory.mktemp(f"resume-{strategy}")
     args = [f"strategy={strategy}", *RESUME]
-    whole = run_ddpexp(tmp, *args, "trainer.max_steps=70", "hydra.run.dir=whole")
-    assert whole.returncode == 0, whole
     first = run_ddpexp(tmp, *args, "trainer.max_steps=45", "hydra.run.dir=parts")
     assert first.returncode == 0, first
     second = run_ddpexp(tmp, *args, "trainer.max_steps=70", "hydra.run.dir=parts", "trainer.resume=auto")
     assert second.returncode == 0, second
-    return strategy, tmp / "whole", tmp / "parts", second
+    return strategy, uninterrupted(strategy), tmp / "parts", second
 
 
 @pytest.mark.multiproc
@@ -58,9 +54,7 @@ def test_resume_mid_epoch_gives_bitwise_the_uninterrupted_run(resumed):
     _strategy, whole, parts, second = resumed
     assert "resumed from" in second.stdout + second.stderr + (parts / "ddpexp.log").read_text()
     assert_same_state(ckpt(whole), ckpt(parts))
-    final_whole = torch.load(whole / "model.pt", weights_only=True)
-    final_parts = torch.load(parts / "model.pt", weights_only=True)
-    assert all(torch.equal(v, final_parts[k]) for k, v in final_whole.items())
+    assert same_weights(whole, parts)
     m = metrics(parts)
     assert m["status"] == "completed" and m["attempts"] == 2 and m["facts"]["resumed_from"].endswith(".pt")
     assert m["final"]["eval/acc"] == metrics(whole)["final"]["eval/acc"]
@@ -240,19 +234,6 @@ def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path:
     assert "step-00000002.pt" in caplog.text
     with pytest.raises(checkpoint.UserError, match="not a readable checkpoint"):
         checkpoint.resolve(str(newest), tmp_path)
-
-
-def test_resume_from_a_bad_path_is_refused_before_anything_starts(tmp_path: Path):
-    bad = tmp_path / "elsewhere" / "broken.pt"
-    bad.parent.mkdir()
-    bad.write_bytes(b"not a checkpoint")
-    run = tmp_path / "run"
-    run.mkdir()
-    for target in (bad, tmp_path / "missing.pt"):
-        result = run_ddpexp(run, *QUICK, f"trainer.resume={target}", timeout=120)
-        assert result.returncode == 2, result
-        assert "trainer.resume" in result.stderr and str(target) in result.stderr
-    assert list(run.iterdir()) == []
 
 
 @pytest.mark.multiproc

@@ -1,0 +1,92 @@
+"""Fault injection for tests and development: make one rank fail at a chosen optimizer step.
+
+    DDPEXP_FAULT=rank1:step5:raise          rank 1 raises an exception after its 5th optimizer step
+    DDPEXP_FAULT=rank1:step5:kill           rank 1 is killed by SIGKILL there (no Python cleanup runs)
+    DDPEXP_FAULT=rank0:step10:kill_in_save  rank 0 is SIGKILLed halfway through writing the step-10
+                                            checkpoint (needs a checkpoint at that step)
+
+A fault fires in the first attempt only, so a run with dist.max_restarts (or torchrun --max-restarts)
+shows the recovery. It is read from the environment, never from the config: a fault cannot end up in
+a saved config, a sweep, or a colleague's rerun. Pre-flight refuses a malformed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+ENV = "DDPEXP_FAULT"
+ACTIONS = ("raise", "kill", "kill_in_save")
+_SPEC = re.compile(r"^rank(\d+):step(\d+):(\w+)$")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    action: str
+
+    def after_step(self, step: int) -> None:
+        """The engine calls this after every optimizer step (and its checkpoint, if one is due)."""
+        if step == self.step and self.action != "kill_in_save":
+            self.fire()
+
+    def while_saving(self, step: int) -> None:
+        """The checkpointer calls this with half of the step's checkpoint file written."""
+        if step == self.step and self.action == "kill_in_save":
+            self.fire()
+
+    def fire(self) -> None:
+        log.warning("%s: injecting %s on rank %d at step %d", ENV, self.action, self.rank, self.step)
+        if self.action == "raise":
+            raise InjectedFault(f"injected fault ({ENV}): rank {self.rank} at step {self.step}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse(spec: str) -> Fault:
+    m = _SPEC.match(spec.strip())
+    if m is None or m.group(3) not in ACTIONS:
+        raise UserError(
+            f"{ENV}={spec!r} is not a fault",
+            fix=f"write rank<R>:step<S>:<{'|'.join(ACTIONS)}>, e.g. {ENV}=rank1:step5:kill, or unset it",
+        )
+    return Fault(rank=int(m.group(1)), step=int(m.group(2)), action=m.group(3))
+
+
+def check(world_size: int, env: Mapping[str, str] | None = None) -> None:
+    """Pre-flight: a fault that is malformed or can never fire is an error, not a silent no-op."""
+    spec = (os.environ if env is None else env).get(ENV)
+    if not spec:
+        return
+    fault = parse(spec)
+    if fault.rank >= world_size or fault.step < 1 or (fault.action == "kill_in_save" and fault.rank != 0):
+        raise UserError(
+            f"{ENV}={spec!r} can never fire in a run of {world_size} rank(s)",
+            fix=f"name a rank below {world_size} (rank0 for kill_in_save: only rank 0 saves) and a step >= 1",
+        )
+
+
+def for_process(rank: int, attempt: int) -> Fault | None:
+    """The fault this process must inject, if any: its rank is named and this is the first attempt."""
+    spec = os.environ.get(ENV)
+    if not spec or attempt > 0:
+        return None
+    fault = parse(spec)
+    if fault.rank != rank:
+        return None
+    log.warning("%s is set: rank %d will %s at step %d (testing only)", ENV, rank, fault.action, fault.step)
+    return fault
