@@ -290,10 +290,17 @@ class Supervisor:
 
     def _root_cause(self) -> tuple[int, str, str, bool]:
         """Which rank failed first. A rank killed by a signal nobody here sent is the cause (its peers
-        only see it as a broken connection); otherwise the earliest error record wins."""
+        only see it as a broken connection); otherwise the earliest error record wins. Ranks that died
+        after the supervisor began stopping them were killed by it (a rank already on its way out when
+        the SIGTERM came dies of it), so they are never the cause."""
         from .worker import error_file
 
-        by_signal = [w for w in self.workers if w.proc.returncode is not None and w.proc.returncode < 0]
+        stop = self.stopping_since if self.stopping_since is not None else float("inf")
+        by_signal = [
+            w
+            for w in self.workers
+            if w.proc.returncode is not None and w.proc.returncode < 0 and (w.exit_time or 0.0) <= stop
+        ]
         if by_signal:
             w = min(by_signal, key=lambda w: w.exit_time or 0.0)
             name = signal.Signals(-w.proc.returncode).name

@@ -1,0 +1,246 @@
+"""The fault-injection suite: crashes, signals and restarts, checked the way a user would notice them.
+
+Every case checks the exit code, how fast the run stopped, the message, that no process of the run
+survives (every process ever seen in the launcher's tree, recorded while it ran), that the master port
+is free again, and that what was saved still loads. Failures are injected with DDPEXP_FAULT
+(ddpexp/faults.py) or signals from outside; every wait has a timeout, so a regression fails, not hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddpexp import checkpoint
+from ddpexp.launch import free_port, port_is_free
+
+from .conftest import QUICK, RESUME, metrics, same_weights
+
+pytestmark = pytest.mark.multiproc
+
+LONG = [*QUICK, "trainer.epochs=500", "checkpoint.every_steps=5", "hydra.run.dir=run"]
+
+
+class Watched:
+    """A ddpexp command started in the background, with every process of its tree recorded."""
+
+    def __init__(
+        self, cwd: Path, args: list[str], *, fault: str | None = None, torchrun: bool = False
+    ) -> None:
+        self.cwd = cwd
+        self.port = free_port("127.0.0.1")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if fault:
+            env["DDPEXP_FAULT"] = fault
+        if torchrun:
+            prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+            cmd = [*prefix, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}"]
+            cmd += ["--max-restarts=1", "-m", "ddpexp", *args]
+        else:
+            cmd = [sys.executable, "-m", "ddpexp", *args, f"dist.master_port={self.port}"]
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.seen: dict[int, psutil.Process] = {}
+        self.rank_of: dict[int, str | None] = {}  # worker pid -> RANK, read while it was alive
+        self.gone_at: dict[int, float] = {}
+        self._watching = True
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        root = psutil.Process(self.proc.pid)
+        while self._watching:
+            try:
+                for p in root.children(recursive=True):
+                    if p.pid not in self.seen:
+                        self.seen[p.pid] = p
+                        self._note_rank(p)
+            except psutil.NoSuchProcess:
+                pass
+            now = time.time()
+            for pid, p in self.seen.items():
+                if pid not in self.gone_at and (not p.is_running() or p.status() == psutil.STATUS_ZOMBIE):
+                    self.gone_at[pid] = now
+            time.sleep(0.05)
+
+    def _note_rank(self, p: psutil.Process) -> None:
+        try:
+            if "ddpexp" in " ".join(p.cmdline()):
+                self.rank_of[p.pid] = p.environ().get("RANK")
+        except psutil.Error:
+            pass
+
+    def workers(self) -> list[int]:
+        """The pids of the ddpexp worker processes seen (torchrun's agent excluded)."""
+        return [pid for pid, rank in self.rank_of.items() if rank is not None]
+
+    def exit_time_of_rank(self, rank: int) -> float:
+        (pid,) = [pid for pid, r in self.rank_of.items() if r == str(rank)]
+        return self.gone_at[pid]
+
+    def wait_until_training(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            path = self.cwd / "run" / "metrics.json"
+            if (
+                path.exists()
+                and metrics(self.cwd / "run")["history"]
+                and (self.cwd / "run/checkpoints").is_dir()
+            ):
+                return
+            time.sleep(0.2)
+        raise AssertionError("training never got under way")
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        finally:
+            self.proc.kill()
+            self.ended = time.time()
+            time.sleep(0.2)
+            self._watching = False
+            self._thread.join()
+        return self.proc.returncode, out, err
+
+    def assert_nothing_left(self) -> None:
+        """No process of the run survives; the rendezvous port can be bound again."""
+        procs = list(self.seen.values())
+        assert procs, "no process of the run was ever seen"
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+        assert port_is_free("127.0.0.1", self.port)
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _last_checkpoint_step(run_dir: Path) -> int:
+    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"]
+
+
+# ------------------------------------------------------------------------------- a worker fails
+
+
+@pytest.mark.parametrize(
+    ("action", "summary"),
+    [
+        ("raise", "rank 1 of 2 failed: InjectedFault: injected fault"),
+        ("kill", "rank 1 of 2 failed: killed by SIGKILL"),
+    ],
+)
+def test_a_failing_worker_stops_the_run_within_seconds_naming_the_rank(
+    tmp_path: Path, action: str, summary: str
+):
+    run = Watched(tmp_path, ["strategy=ddp", *LONG], fault=f"rank1:step12:{action}")
+    code, _out, err = run.finish()
+    assert code == 1, err
+    assert err.splitlines()[0].startswith(f"ddpexp: {summary}"), err  # the root cause first
+    if action == "raise":
+        assert "Traceback" in err and "faults.py" in err  # the failing rank's own traceback
+    assert run.ended - run.exit_time_of_rank(1) < 10, "the other ranks were not stopped promptly"
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "failed" and "rank 1" in m["error"] and m["history"] == []
+    assert _last_checkpoint_step(tmp_path / "run") == 10
+
+
+def test_a_kill_while_saving_leaves_the_previous_checkpoint_and_resume_continues(tmp_path: Path):
+    run = Watched(
+        tmp_path, ["strategy=ddp", *LONG, "trainer.max_steps=20"], fault="rank0:step10:kill_in_save"
+    )
+    code, _out, err = run.finish()
+    assert code == 1 and "rank 0 of 2 failed: killed by SIGKILL" in err, err
+    run.assert_nothing_left()
+    folder = tmp_path / "run" / "checkpoints"
+    assert any(p.name.endswith(".tmp") for p in folder.iterdir())  # the half-written file, under a temp name
+    assert _last_checkpoint_step(tmp_path / "run") == 5
+    again = Watched(tmp_path, ["strategy=ddp", *LONG, "trainer.max_steps=20", "trainer.resume=auto"])
+    code, out, err = again.finish()
+    assert code == 0, err
+    assert "resumed from" in out + err and "step-00000005.pt" in out + err
+    assert not any(p.name.endswith(".tmp") for p in folder.iterdir())
+    assert _last_checkpoint_step(tmp_path / "run") == 20
+    again.assert_nothing_left()
+
+
+# ------------------------------------------------------------------------------- the launcher
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, sig: int, code: int):
+    run = Watched(tmp_path, ["strategy=ddp", *LONG])
+    run.wait_until_training()
+    sent = time.time()
+    run.proc.send_signal(sig)
+    returned, _out, err = run.finish(timeout=60)
+    assert returned == code, err
+    assert run.ended - sent < 10
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "interrupted" and m["history"]  # what was recorded before the signal stays
+    assert _last_checkpoint_step(tmp_path / "run") >= 5
+
+
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path: Path):
+    run = Watched(tmp_path, ["strategy=ddp", *LONG])
+    run.wait_until_training()
+    run.proc.kill()  # SIGKILL: no handler runs in the launcher
+    run.finish(timeout=30)
+    assert len(run.workers()) == 2
+    run.assert_nothing_left()
+    assert _last_checkpoint_step(tmp_path / "run") >= 5
+
+
+# ------------------------------------------------------------------------------- restarts
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fault", "torchrun"),
+    [
+        ("ddp", "rank1:step45:kill", False),
+        ("single", "rank0:step45:raise", False),
+        ("ddp", "rank1:step45:kill", True),
+    ],
+    ids=["ddp-kill", "single-raise", "torchrun-ddp-kill"],
+)
+def test_a_restart_resumes_and_ends_identical_to_the_uninterrupted_run(
+    tmp_path: Path, uninterrupted, strategy: str, fault: str, torchrun: bool
+):
+    args = [f"strategy={strategy}", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"]
+    if not torchrun:
+        args.append("dist.max_restarts=1")
+    run = Watched(tmp_path, args, fault=fault, torchrun=torchrun)
+    code, out, err = run.finish(timeout=240)
+    assert code == 0, err
+    run.assert_nothing_left()
+    assert "step-00000040.pt" in out + err  # resumed from the newest checkpoint before the fault
+    if not torchrun:
+        assert "restarting the workers (1 of 1 restarts)" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # one run dir, however many attempts
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "completed" and m["attempts"] == 2
+    assert m["final"]["eval/acc"] == metrics(uninterrupted(strategy))["final"]["eval/acc"]
+    assert same_weights(tmp_path / "run", uninterrupted(strategy))
+
+
+def test_without_restarts_a_failure_is_final(tmp_path: Path):
+    run = Watched(tmp_path, ["strategy=single", *LONG, "trainer.max_steps=20"], fault="rank0:step7:raise")
+    code, _out, err = run.finish()
+    assert code == 1 and "InjectedFault" in err and "restarting" not in err, err
+    assert metrics(tmp_path / "run")["status"] == "failed"
+    assert _last_checkpoint_step(tmp_path / "run") == 5
