@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .errors import UserError
 
@@ -50,7 +52,7 @@ def build(
     )
 
 
-def lr_factor(cfg: DictConfig, step: int, total_steps: int) -> float:
+def lr_factor(cfg: Any, step: int, total_steps: int) -> float:
     """Multiplier of the used LR at optimizer step `step` (0-based): linear warmup over warmup_steps,
     then constant, step decay (x gamma every step_size) or cosine decay to min_lr_ratio."""
     warm = cfg.warmup_steps
@@ -68,5 +70,10 @@ def lr_factor(cfg: DictConfig, step: int, total_steps: int) -> float:
 
 def build_schedule(
     optimizer: torch.optim.Optimizer, cfg: DictConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total_steps))
+) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """None for a constant LR without warmup. It runs every optimizer step, so it reads a plain copy
+    of the settings: a LambdaLR over the DictConfig cost ~60 us per step (~5% of a small MLP's step)."""
+    if cfg.schedule == "constant" and not cfg.warmup_steps:
+        return None
+    plain = SimpleNamespace(**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))  # type: ignore[arg-type]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(plain, step, total_steps))
