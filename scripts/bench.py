@@ -1,18 +1,24 @@
 """Benchmark: ddpexp against hand-written PyTorch loops, interleaved in one invocation.
 
-For each model (mlp: data handling dominates; convnet: compute dominates) and strategy (single; ddp
-with 2 gloo ranks), repeated --repeats times in turn:
+For each model (MODELS: the default mlp; mlp64, small enough that data handling dominates; convnet,
+compute-bound) and strategy (single; ddp with 2 gloo ranks), repeated --repeats times in turn, each a
+fresh process:
 
-  ddpexp     python -m ddpexp ... data=synthetic (device-resident batches, the automatic choice)
-  plain      scripts/plain_loop.py: DataLoader + DistributedSampler (+ DDP), the tutorials' loop
-  bare       (single only) one batch re-used on the device: compute only, the ceiling
+  ddpexp:device  python -m ddpexp ... data=synthetic loader.mode=device   (the automatic choice)
+  ddpexp:loader  the same with loader.mode=dataloader                       (torch DataLoader path)
+  plain:loader   scripts/plain_loop.py: DataLoader + DistributedSampler (+ DDP), the tutorials' loop
+  plain:index    the same loop over hand-written device-resident batches (tensor indexing)
+  bare           (single only) one batch re-used on the device: compute only, the ceiling
 
 Throughput is the last epoch's training samples/s (epoch 1 is warm-up; evaluation is not timed), the
-median over repeats. Also printed: ddpexp's time from command to first optimizer step, its per-step
-data-wait and communication share, and peak memory (max RSS) of its workers.
+median over repeats. The ratios: framework overhead on the same data path (ddpexp:loader / plain:loader
+and ddpexp:device / plain:index; 1.00 = none), what the device-resident path gains over the tutorials'
+loop (ddpexp:device / plain:loader), and the distance to the ceiling (ddpexp:device / bare). Also: ddpexp's
+time from command to first optimizer step, its data-wait and communication shares, and peak memory
+(max RSS of the largest rank) of ddpexp and of the plain loop.
 
-    python scripts/bench.py                 # full: 3 repeats, 16384 samples per epoch
-    python scripts/bench.py --smoke         # under a minute: mlp only, 1 repeat, tiny data (CI runs it)
+    python scripts/bench.py                 # full: 5 repeats (about 25 minutes on 2 cores)
+    python scripts/bench.py --smoke         # about a minute: mlp only, 1 repeat, tiny data (CI runs it)
 """
 
 from __future__ import annotations
@@ -30,12 +36,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_ddpexp(model: str, strategy: str, n: int, work: Path, tag: str) -> dict[str, float]:
+# Benchmarked models: ddpexp overrides, plain_loop.py arguments, training samples per epoch.
+MODELS = {
+    "mlp": (["model=mlp"], ["--model=mlp"], 16384),  # hidden 256, 128: compute still dominates on CPU
+    "mlp64": (["model=mlp", "model.hidden=[64]"], ["--model=mlp", "--hidden=64"], 16384),  # data-bound
+    "convnet": (["model=convnet"], ["--model=convnet"], 4096),  # compute-bound
+}
+
+
+def run_ddpexp(model: str, strategy: str, n: int, loader: str, work: Path, tag: str) -> dict[str, float]:
     run_dir = work / tag
     cmd = [
-        sys.executable, "-m", "ddpexp", f"strategy={strategy}", f"model={model}", "data=synthetic",
+        sys.executable, "-m", "ddpexp", f"strategy={strategy}", *MODELS[model][0], "data=synthetic",
         f"data.num_train={n}", "data.num_eval=256", "trainer.epochs=2", "trainer.batch_size=64",
-        "trainer.progress=false", "checkpoint.every_epochs=null", f"hydra.run.dir={run_dir}",
+        f"loader.mode={loader}", "trainer.progress=false", "checkpoint.every_epochs=null",
+        f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "DDPEXP_T0": str(time.time())}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -52,73 +67,92 @@ def run_ddpexp(model: str, strategy: str, n: int, work: Path, tag: str) -> dict[
     }
 
 
-def run_plain(model: str, world: int, n: int, *, bare: bool = False) -> float:
-    cmd = [
-        sys.executable,
-        str(HERE / "plain_loop.py"),
-        f"--model={model}",
-        f"--world={world}",
-        f"--num-train={n}",
-    ]
-    if bare:
-        cmd.append("--bare")
+def run_plain(model: str, world: int, n: int, loader: str) -> dict[str, float]:
+    cmd = [sys.executable, str(HERE / "plain_loop.py"), *MODELS[model][1], f"--world={world}"]
+    cmd += [f"--num-train={n}", f"--loader={loader}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"plain loop failed:\n{proc.stderr[-2000:]}")
-    return float(json.loads(proc.stdout.strip().splitlines()[-1])["samples_per_s"])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str, strategy: str, n: int, repeats: int, work: Path) -> dict[str, float]:
+    """Medians over repeats; the variants take turns, so drifting machine load hits all alike."""
+    world = 2 if strategy == "ddp" else 1
+    runs: dict[str, list[dict[str, float]]] = {}
+    for i in range(repeats):
+        for loader in ("device", "dataloader"):
+            runs.setdefault(f"ddpexp:{loader}", []).append(
+                run_ddpexp(model, strategy, n, loader, work, f"{model}-{strategy}-{loader}-{i}")
+            )
+        for loader in ("dataloader", "index", "bare") if world == 1 else ("dataloader", "index"):
+            runs.setdefault(f"plain:{loader}", []).append(run_plain(model, world, n, loader))
+    med = {
+        f"{variant}/{key}": statistics.median(r[key] for r in rs)
+        for variant, rs in runs.items()
+        for key in rs[0]
+    }
+    med.setdefault("plain:bare/samples_per_s", float("nan"))
+    return med
+
+
+COLUMNS = [  # (header, width, format, value)
+    ("ddpexp:device", 13, ",.0f", lambda m: m["ddpexp:device/samples_per_s"]),
+    ("ddpexp:loader", 13, ",.0f", lambda m: m["ddpexp:dataloader/samples_per_s"]),
+    ("plain:loader", 12, ",.0f", lambda m: m["plain:dataloader/samples_per_s"]),
+    ("plain:index", 11, ",.0f", lambda m: m["plain:index/samples_per_s"]),
+    ("bare", 8, ",.0f", lambda m: m["plain:bare/samples_per_s"]),
+]
+RATIOS = [
+    (
+        "loader/loader",
+        13,
+        ".2f",
+        lambda m: m["ddpexp:dataloader/samples_per_s"] / m["plain:dataloader/samples_per_s"],
+    ),
+    ("device/index", 12, ".2f", lambda m: m["ddpexp:device/samples_per_s"] / m["plain:index/samples_per_s"]),
+    (
+        "device/loader",
+        13,
+        ".2f",
+        lambda m: m["ddpexp:device/samples_per_s"] / m["plain:dataloader/samples_per_s"],
+    ),
+    ("device/bare", 11, ".2f", lambda m: m["ddpexp:device/samples_per_s"] / m["plain:bare/samples_per_s"]),
+    ("start_s", 7, ".1f", lambda m: m["ddpexp:device/startup_s"]),
+    ("data", 6, ".1%", lambda m: m["ddpexp:device/data_wait"]),
+    ("comm", 6, ".1%", lambda m: m["ddpexp:device/comm_share"]),
+    ("peak_MB", 8, ",.0f", lambda m: m["ddpexp:device/peak_mb"]),
+    ("plain_MB", 8, ",.0f", lambda m: m["plain:dataloader/peak_mb"]),
+]
+
+
+def table(title: str, columns: list, rows: list[tuple[str, str, dict[str, float]]]) -> str:
+    lines = [title, f"{'model':<8} {'strategy':<8} " + " ".join(f"{h:>{w}}" for h, w, _, _ in columns)]
+    for model, strategy, m in rows:
+        cells = " ".join(f"{value(m):>{w}{fmt}}" for _, w, fmt, value in columns)
+        lines.append(f"{model:<8} {strategy:<8} {cells}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny and fast: checks that everything runs")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-train", type=int, default=16384)
-    p.add_argument("--models", default="mlp,convnet")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--num-train", type=int, default=None, help="default: per model (MODELS)")
+    p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--strategies", default="single,ddp")
     args = p.parse_args()
-    repeats, n = (1, 512) if args.smoke else (args.repeats, args.num_train)
+    repeats = 1 if args.smoke else args.repeats
     models = "mlp" if args.smoke else args.models
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
         for model in models.split(","):
+            n = 512 if args.smoke else args.num_train or MODELS[model][2]
             for strategy in args.strategies.split(","):
-                world = 2 if strategy == "ddp" else 1
-                ours, plain, bare = [], [], []
-                for i in range(repeats):  # interleaved, so drifting machine load hits all alike
-                    ours.append(run_ddpexp(model, strategy, n, work, f"{model}-{strategy}-{i}"))
-                    plain.append(run_plain(model, world, n))
-                    if strategy == "single":
-                        bare.append(run_plain(model, world, n, bare=True))
-                med = {k: statistics.median(r[k] for r in ours) for k in ours[0]}
-                p_med = statistics.median(plain)
-                b_med = statistics.median(bare) if bare else float("nan")
-                rows.append((model, strategy, med, p_med, b_med))
-    cols = (
-        "model",
-        "strategy",
-        "ddpexp/s",
-        "plain/s",
-        "ratio",
-        "bare/s",
-        "vs bare",
-        "start s",
-        "data",
-        "comm",
-    )
-    widths = (8, 8, 10, 10, 6, 10, 7, 7, 6, 6)
-    head = " ".join(
-        f"{c:<{w}}" if i < 2 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cols, widths, strict=True))
-    )
-    head += f" {'peak MB':>8}"
-    print(head)
-    for model, strategy, m, plain_s, bare_s in rows:
-        vs_bare = m["samples_per_s"] / bare_s if bare_s == bare_s else float("nan")
-        print(
-            f"{model:<8} {strategy:<8} {m['samples_per_s']:>10,.0f} {plain_s:>10,.0f} "
-            f"{m['samples_per_s'] / plain_s:>6.2f} {bare_s:>10,.0f} {vs_bare:>7.2f} {m['startup_s']:>7.1f} "
-            f"{m['data_wait']:>6.1%} {m['comm_share']:>6.1%} {m['peak_mb']:>8,.0f}"
-        )
+                rows.append((model, strategy, measure(model, strategy, n, repeats, Path(tmp))))
+    print(table("samples/s", COLUMNS, rows))
+    print()
+    print(table("ratios and costs", RATIOS, rows))
     cpus = os.cpu_count()
     print(f"(median of {repeats}; last-epoch training samples/s; {cpus} CPUs; threads per rank = CPUs/ranks)")
 

@@ -1,12 +1,17 @@
 """The baseline ddpexp is measured against: training written by hand the way the tutorials write it.
 
 DataLoader + DistributedSampler (set_epoch every epoch), DistributedDataParallel, SGD; the same model
-classes and the same synthetic data as ddpexp's `data=synthetic`. `--bare` instead re-uses one batch
-that already sits on the device (no data handling at all: the compute-only ceiling).
+classes and the same synthetic data as ddpexp's `data=synthetic`. Other data paths, same loop:
+
+    --loader dataloader   the tutorials' DataLoader + DistributedSampler (default)
+    --loader index        hand-written device-resident batching: index the data tensor with each
+                          rank's share of a per-epoch permutation (what ddpexp's loader.mode=device does)
+    --loader bare         one batch re-used, already on the device: no data handling at all (the ceiling)
 
     python scripts/plain_loop.py --model mlp --world 2 --num-train 8192 --epochs 2
 
-Prints one JSON line: samples/s of the last epoch (rank 0's wall clock, all ranks together).
+Prints one JSON line: samples/s of the last epoch (rank 0's wall clock, all ranks together) and the
+peak resident memory of the largest rank in MB.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -33,11 +39,11 @@ def make_data(n: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, (x.reshape(n, -1) @ teacher).argmax(1))
 
 
-def make_model(name: str) -> torch.nn.Module:
+def make_model(name: str, hidden: list[int] | None) -> torch.nn.Module:
     if name == "mlp":
         from ddpexp.models.mlp import mlp
 
-        return mlp(num_classes=10, input_shape=[1, 28, 28])
+        return mlp(num_classes=10, input_shape=[1, 28, 28], hidden=hidden)
     from ddpexp.models.convnet import convnet
 
     return convnet(num_classes=10, input_shape=[1, 28, 28])
@@ -50,7 +56,7 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
-    model = make_model(args.model)
+    model = make_model(args.model, args.hidden)
     if world > 1:
         model = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -59,13 +65,23 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True)
     fixed = next(iter(loader))
+    x_all, y_all = data.tensors
     elapsed = steps = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         if world > 1:
             dist.barrier()
         start, steps = time.perf_counter(), 0
-        batches = (fixed for _ in range(len(loader))) if args.bare else loader
+        if args.loader == "bare":
+            batches = (fixed for _ in range(len(loader)))
+        elif args.loader == "index":
+            perm = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(epoch))[rank::world]
+            batches = (
+                (x_all[perm[i : i + per_rank]], y_all[perm[i : i + per_rank]])
+                for i in range(0, len(loader) * per_rank, per_rank)
+            )
+        else:
+            batches = loader
         for x, y in batches:
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
@@ -75,8 +91,12 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
         if world > 1:
             dist.barrier()
         elapsed = time.perf_counter() - start
+    peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         out["samples_per_s"] = steps * args.batch_size / elapsed
+        out["peak_mb"] = float(peak)
     if world > 1:
         dist.destroy_process_group()
 
@@ -92,11 +112,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
+    p.add_argument("--hidden", type=lambda v: [int(h) for h in v.split(",")], default=None, help="mlp only")
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--num-train", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--bare", action="store_true")
+    p.add_argument("--loader", default="dataloader", choices=["dataloader", "index", "bare"])
     args = p.parse_args()
     if args.world == 1:
         out: dict = {}

@@ -22,8 +22,18 @@ def test_benchmark_smoke_prints_a_row_per_strategy():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].split()[:5] == ["model", "strategy", "ddpexp/s", "plain/s", "ratio"]
-    rows = [ln.split() for ln in lines[1:] if ln.startswith("mlp")]
-    assert [r[1] for r in rows] == ["single", "ddp"]
-    for r in rows:
-        assert float(r[2].replace(",", "")) > 0 and float(r[4]) > 0
+    speeds = lines[1 : lines.index("")]
+    assert lines[0] == "samples/s" and speeds[0].split()[:4] == [
+        "model",
+        "strategy",
+        "ddpexp:device",
+        "ddpexp:loader",
+    ]
+    assert [r.split()[:2] for r in speeds[1:]] == [["mlp", "single"], ["mlp", "ddp"]]
+    ratios = lines[lines.index("ratios and costs") + 1 :]
+    head = ratios[0].split()
+    assert head[2:6] == ["loader/loader", "device/index", "device/loader", "device/bare"]
+    for row in (r.split() for r in ratios[1:3]):
+        values = dict(zip(head, row, strict=True))
+        assert float(values["loader/loader"]) > 0 and float(values["device/index"]) > 0
+        assert float(values["start_s"]) > 0 and float(values["peak_MB"].replace(",", "")) > 0

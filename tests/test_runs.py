@@ -67,6 +67,19 @@ def test_default_run_reaches_95_percent_on_digits(default_run):
     assert m["final"]["eval/samples"] == m["facts"]["eval_samples"]
 
 
+def test_the_dataloader_path_trains_to_the_same_accuracy_as_the_device_path(default_run, tmp_path: Path):
+    """The default run's automatic choice on digits is device-resident batching; the DataLoader path
+    serves the same batches, so it must land in the same accuracy band."""
+    (device_dir,) = default_run.run_dirs()
+    result = run_ddpexp(tmp_path, "loader.mode=dataloader")
+    assert result.returncode == 0, result
+    (loader_dir,) = result.run_dirs()
+    device, loader = metrics(device_dir), metrics(loader_dir)
+    assert (device["facts"]["loader"], loader["facts"]["loader"]) == ("device", "dataloader")
+    assert abs(device["final"]["eval/acc"] - loader["final"]["eval/acc"]) <= 0.01
+    assert loader["final"]["eval/acc"] >= 0.95
+
+
 def test_default_run_prints_epoch_summaries_and_the_run_dir(default_run):
     lines = default_run.stdout.splitlines()
     epochs = [ln for ln in lines if re.match(r"epoch \d+/10 ", ln)]
