@@ -117,8 +117,9 @@ class TrainerConfig:
     # Global eval batch (None: same as batch_size). Eval counts every sample exactly once.
     eval_batch_size: int | None = None
     eval_every_epochs: int = 1
-    # Train loss is accumulated on the device and read (one host sync) every this many steps.
-    log_every_steps: int = 10
+    # Train loss is accumulated on the device and read (one host sync) every this many steps. Each log
+    # point costs ~0.2 ms on rank 0 (TensorBoard scalars), so not every step.
+    log_every_steps: int = 50
     # Progress bar on rank 0. None: only when the output is a terminal.
     progress: bool | None = None
     # Also evaluate every this many optimizer steps (None: at epoch ends only).

@@ -231,7 +231,8 @@ class Engine:
             with self._autocast():
                 outputs = self.model.module(inputs)
             loss = F.cross_entropy(outputs.float(), targets.to(outputs.device, non_blocking=True))
-            scaled = loss / self.s.accumulate
+            # Dividing only when accumulating: a no-op division still costs ~18 us per step in autograd.
+            scaled = loss / self.s.accumulate if self.s.accumulate > 1 else loss
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
             scaled.backward()

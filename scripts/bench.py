@@ -76,6 +76,15 @@ def run_plain(model: str, world: int, n: int, loader: str) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_loop_overhead(model: str, *, smoke: bool) -> dict[str, float]:
+    cmd = [sys.executable, str(HERE / "loop_overhead.py"), f"--model={model}"]
+    cmd += ["--rounds=2", "--num-train=512"] if smoke else ["--rounds=15"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"loop_overhead.py failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def measure(model: str, strategy: str, n: int, repeats: int, work: Path) -> dict[str, float]:
     """Medians over repeats; the variants take turns, so drifting machine load hits all alike."""
     world = 2 if strategy == "ddp" else 1
@@ -153,6 +162,14 @@ def main() -> None:
     print(table("samples/s", COLUMNS, rows))
     print()
     print(table("ratios and costs", RATIOS, rows))
+    print()
+    print("loop overhead, one process, alternating epochs (scripts/loop_overhead.py): ddpexp / hand-written")
+    for model in models.split(","):
+        r = run_loop_overhead(model, smoke=args.smoke)
+        print(
+            f"{model:<8} {r['ddpexp']:>10,.0f} / {r['hand']:>10,.0f} samples/s = {r['ratio']:.3f} "
+            f"(rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+        )
     cpus = os.cpu_count()
     print(f"(median of {repeats}; last-epoch training samples/s; {cpus} CPUs; threads per rank = CPUs/ranks)")
 

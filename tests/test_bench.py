@@ -37,3 +37,5 @@ def test_benchmark_smoke_prints_a_row_per_strategy():
         values = dict(zip(head, row, strict=True))
         assert float(values["loader/loader"]) > 0 and float(values["device/index"]) > 0
         assert float(values["start_s"]) > 0 and float(values["peak_MB"].replace(",", "")) > 0
+    overhead = lines[lines.index(next(ln for ln in lines if ln.startswith("loop overhead"))) + 1].split()
+    assert overhead[0] == "mlp" and float(overhead[overhead.index("=") + 1]) > 0
