@@ -103,3 +103,26 @@ def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node():
     assert (p.backend, p.world_size) == ("nccl", launcher.gpus_per_node)
     local = compose(config_name="config", return_hydra_config=True)
     assert _remote_host(local) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (
+            ["strategy=ddp", "dist.nprocs=3"],
+            ["3 processes x 1 device(s) need 3 GPUs; 2 are visible", "dist.nprocs<=2"],
+        ),
+        (
+            ["strategy=ddp_mp", "dist.nprocs=2", "model=mlp"],
+            ["2 processes x 2 device(s) need 4 GPUs", "dist.nprocs<=1"],
+        ),
+    ],
+)
+def test_more_processes_than_gpus_is_refused(overrides: list[str], words: list[str]):
+    from ddpexp.errors import UserError
+
+    gpu_host = HostFacts(cuda_devices=2, nccl=True, gloo=True, mpi=False)
+    cfg = compose(config_name="config", overrides=[*overrides, "device=cuda"])
+    with pytest.raises(UserError) as refused:
+        plan(cfg, gpu_host)
+    assert all(w in str(refused.value) for w in words), str(refused.value)
