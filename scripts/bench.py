@@ -24,6 +24,7 @@ time from command to first optimizer step, its data-wait and communication share
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -44,12 +45,22 @@ MODELS = {
 }
 
 
-def run_ddpexp(model: str, strategy: str, n: int, loader: str, work: Path, tag: str) -> dict[str, float]:
+@functools.cache
+def torch_gpus() -> int:
+    """GPUs visible to torch (asked in a subprocess, so this script itself never imports torch)."""
+    code = "import torch; print(torch.cuda.device_count())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout or 0)
+
+
+def run_ddpexp(
+    model: str, strategy: str, world: int, n: int, loader: str, work: Path, tag: str
+) -> dict[str, float]:
     run_dir = work / tag
     cmd = [
         sys.executable, "-m", "ddpexp", f"strategy={strategy}", *MODELS[model][0], "data=synthetic",
         f"data.num_train={n}", "data.num_eval=256", "trainer.epochs=2", "trainer.batch_size=64",
         f"loader.mode={loader}", "trainer.progress=false", "checkpoint.every_epochs=null",
+        *([f"dist.nprocs={world}"] if strategy == "ddp" else []),
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "DDPEXP_T0": str(time.time())}
@@ -87,12 +98,12 @@ def run_loop_overhead(model: str, *, smoke: bool) -> dict[str, float]:
 
 def measure(model: str, strategy: str, n: int, repeats: int, work: Path) -> dict[str, float]:
     """Medians over repeats; the variants take turns, so drifting machine load hits all alike."""
-    world = 2 if strategy == "ddp" else 1
+    world = (min(2, torch_gpus()) if torch_gpus() else 2) if strategy == "ddp" else 1
     runs: dict[str, list[dict[str, float]]] = {}
     for i in range(repeats):
         for loader in ("device", "dataloader"):
             runs.setdefault(f"ddpexp:{loader}", []).append(
-                run_ddpexp(model, strategy, n, loader, work, f"{model}-{strategy}-{loader}-{i}")
+                run_ddpexp(model, strategy, world, n, loader, work, f"{model}-{strategy}-{loader}-{i}")
             )
         for loader in ("dataloader", "index", "bare") if world == 1 else ("dataloader", "index"):
             runs.setdefault(f"plain:{loader}", []).append(run_plain(model, world, n, loader))

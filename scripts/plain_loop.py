@@ -51,21 +51,23 @@ def make_model(name: str, hidden: list[int] | None) -> torch.nn.Module:
 
 def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     world = args.world
+    cuda = torch.cuda.is_available()  # like ddpexp's device=auto: one GPU per rank, NCCL
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
-    model = make_model(args.model, args.hidden)
+    model = make_model(args.model, args.hidden).to(device)
     if world > 1:
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, device_ids=[rank] if cuda else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = make_data(args.num_train)
     per_rank = args.batch_size // world
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True)
-    fixed = next(iter(loader))
-    x_all, y_all = data.tensors
+    loader = DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True, pin_memory=cuda)
+    fixed = tuple(t.to(device) for t in next(iter(loader)))
+    x_all, y_all = (t.to(device) for t in data.tensors)
     elapsed = steps = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -76,6 +78,7 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
             batches = (fixed for _ in range(len(loader)))
         elif args.loader == "index":
             perm = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(epoch))[rank::world]
+            perm = perm.to(device)
             batches = (
                 (x_all[perm[i : i + per_rank]], y_all[perm[i : i + per_rank]])
                 for i in range(0, len(loader) * per_rank, per_rank)
@@ -83,11 +86,14 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
         else:
             batches = loader
         for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
             steps += 1
+        if cuda:
+            torch.cuda.synchronize(device)
         if world > 1:
             dist.barrier()
         elapsed = time.perf_counter() - start
