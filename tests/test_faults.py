@@ -63,8 +63,8 @@ class Watched:
         while self._watching:
             try:
                 for p in root.children(recursive=True):
-                    if p.pid not in self.seen:
-                        self.seen[p.pid] = p
+                    self.seen.setdefault(p.pid, p)
+                    if self.rank_of.get(p.pid) is None:  # seen between fork and exec: ask again
                         self._note_rank(p)
             except psutil.NoSuchProcess:
                 pass
