@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from plain_loop import make_model  # the models the plain loop trains (scripts/ is on sys.path)
 
 from ddpexp.data import loaders
 from ddpexp.data.synthetic import synthetic
@@ -33,16 +34,6 @@ from ddpexp.recorder import Recorder
 from ddpexp.strategies import Wrapped
 
 HIDDEN = {"mlp": None, "mlp64": [64]}
-
-
-def make_model(name: str) -> torch.nn.Module:
-    if name in HIDDEN:
-        from ddpexp.models.mlp import mlp
-
-        return mlp(num_classes=10, input_shape=[1, 28, 28], hidden=HIDDEN[name])
-    from ddpexp.models.convnet import convnet
-
-    return convnet(num_classes=10, input_shape=[1, 28, 28])
 
 
 def main() -> None:
@@ -58,7 +49,7 @@ def main() -> None:
     train = loaders.build(splits.train, mode="device", train=True, **kw)
     evals = loaders.build(splits.eval, mode="device", train=False, **kw)
     torch.manual_seed(0)
-    ours = make_model(args.model)
+    ours = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
     hand = copy.deepcopy(ours)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01, momentum=0.9)
     opt_hand = torch.optim.SGD(hand.parameters(), lr=0.01, momentum=0.9)
