@@ -29,6 +29,7 @@ from .strategies import Wrapped
 
 log = logging.getLogger(__name__)
 
+FOLD_EVERY = 64  # losses kept before folding them into the sums (bounds the list on long log intervals)
 AUTOCAST = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -87,6 +88,10 @@ class Engine:
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()
+        # Micro-batch losses are kept as they come (a list append costs nothing; two in-place additions
+        # per step cost ~1% of a small MLP's step) and folded into these sums every few dozen steps.
+        self._pending: list[torch.Tensor] = []
+        self._epoch_loss = torch.zeros((), device=device)  # summed over this epoch
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
         self._params = [p for p in model.base.parameters() if p.requires_grad]
@@ -135,14 +140,19 @@ class Engine:
         self.model.module.train()
         acc = self.s.accumulate
         self.train_loader.set_epoch(epoch, start=self.pos.step_in_epoch * acc)
-        epoch_loss = torch.zeros((), device=self.device)
-        micro = steps = 0
-        remaining = (self.steps_per_epoch - self.pos.step_in_epoch) * acc
+        self._fold()
+        self._epoch_loss.zero_()
+        steps_per_epoch = self.steps_per_epoch
+        remaining = (steps_per_epoch - self.pos.step_in_epoch) * acc
         batches = self.recorder.progress(
             self.train_loader, total=remaining, desc=f"epoch {epoch + 1}/{self.s.epochs}"
         )
         if self.model.comm is not None:
             self.model.comm.take()  # drop what evaluation or the previous epoch left
+        # The settings read on every step, hoisted out of the loop.
+        log_every, eval_every = self.s.log_every_steps, self.s.eval_every_steps
+        ckpt_every, on_step, pending = self.s.checkpoint_every_steps, self.on_step, self._pending
+        micro = steps = 0
         wait = 0.0
         start = time.perf_counter()
         it = iter(batches)
@@ -153,31 +163,31 @@ class Engine:
             except StopIteration:
                 break
             wait += time.perf_counter() - t
-            last_micro = (micro + 1) % acc == 0
-            loss = self.forward_backward(inputs, targets, sync=last_micro)
-            epoch_loss += loss
-            self._log_loss += loss
-            self._log_count += 1
             micro += 1
+            last_micro = micro % acc == 0
+            pending.append(self.forward_backward(inputs, targets, sync=last_micro))
             if not last_micro:
                 continue
             self.optimizer_step()
             steps += 1
-            if self.step % self.s.log_every_steps == 0:
+            step = self.pos.step
+            if step % log_every == 0:
                 self._log_train()
-            if self.s.eval_every_steps and self.step % self.s.eval_every_steps == 0:
-                self.recorder.scalars(self.step, self.evaluate())
+            elif len(pending) >= FOLD_EVERY:
+                self._fold()
+            if eval_every and step % eval_every == 0:
+                self.recorder.scalars(step, self.evaluate())
                 self.model.module.train()
-            every = self.s.checkpoint_every_steps
-            if every and self.step % every == 0 and self.pos.step_in_epoch < self.steps_per_epoch:
+            if ckpt_every and step % ckpt_every == 0 and self.pos.step_in_epoch < steps_per_epoch:
                 self._checkpoint({}, periodic=True)
-            if self.on_step is not None:
-                self.on_step(self.step)
-            if self._done() or self.pos.step_in_epoch >= self.steps_per_epoch:
+            if on_step is not None:
+                on_step(step)
+            if self._done() or self.pos.step_in_epoch >= steps_per_epoch:
                 break
         # One reduction per epoch; reading it is the epoch's only host sync, so timing after it is honest.
+        self._fold()
         totals = distributed.all_reduce_sum(
-            torch.stack([epoch_loss, torch.tensor(float(micro), device=self.device)])
+            torch.stack([self._epoch_loss, torch.tensor(float(micro), device=self.device)])
         )
         loss_sum, micro_count = totals.tolist()
         elapsed = time.perf_counter() - start
@@ -190,6 +200,15 @@ class Engine:
             "perf/step_time_s": elapsed / max(steps, 1),
         }
         return values | self._side_metrics(wait=wait, elapsed=elapsed, steps=steps)
+
+    def _fold(self) -> None:
+        """Add the losses gathered since the last fold to the epoch's and the log window's sums."""
+        if self._pending:
+            total = torch.stack(self._pending).sum()
+            self._epoch_loss += total
+            self._log_loss += total
+            self._log_count += len(self._pending)
+            self._pending.clear()
 
     def _side_metrics(self, *, wait: float, elapsed: float, steps: int) -> dict[str, float]:
         """Data wait, communication and peak memory of the epoch: averaged (time) or maxed (memory)
@@ -265,6 +284,7 @@ class Engine:
             self.on_checkpoint(self.pos, values, periodic)
 
     def _log_train(self) -> None:
+        self._fold()
         count = torch.tensor(float(self._log_count), device=self.device)
         loss_sum, n = distributed.all_reduce_sum(torch.stack([self._log_loss, count])).tolist()
         values = {"train/loss": loss_sum / max(n, 1.0), "opt/lr": self.optimizer.param_groups[0]["lr"]}

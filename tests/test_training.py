@@ -264,3 +264,77 @@ def test_less_common_settings_take_effect(tmp_path: Path):
     history = metrics(tmp_path / "run")["history"]
     best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
     assert best["metrics"]["best"] == min(h["eval/loss"] for h in history)
+
+
+# ------------------------------------------------------------------------- loss accounting, logging
+
+
+class _Captured(NullRecorder):
+    def __init__(self) -> None:
+        self.logged: dict[int, dict[str, float]] = {}
+        self.epochs: list[dict[str, float]] = []
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.logged[step] = values
+
+    def epoch(self, *, epoch: int, epochs: int, step: int, values: dict[str, float]) -> None:
+        self.epochs.append(values)
+
+
+def test_logged_losses_are_exact_means_over_windows_longer_than_a_fold_and_across_epochs():
+    """The loop keeps losses in a list and folds them every FOLD_EVERY steps; what it logs must still
+    be the plain mean of every micro-batch loss in the window (here 100 steps, spanning an epoch end)
+    and in the epoch. lr=0 keeps the model fixed, so each batch's loss can be computed directly."""
+    from ddpexp.data import loaders
+    from ddpexp.data.synthetic import synthetic
+    from ddpexp.engine import FOLD_EVERY
+
+    splits = synthetic(num_train=256, num_eval=16).load(Path("."))
+    kw = dict(batch_size=2, rank=0, world=1, seed=3, device=torch.device("cpu"))
+    train = loaders.build(splits.train, mode="device", train=True, **kw)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    captured = _Captured()
+    engine = Engine(
+        model=Wrapped(module=model, base=model),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        train_loader=train,
+        eval_loader=loaders.build(splits.eval, mode="device", train=False, **kw),
+        recorder=captured,
+        settings=LoopSettings(
+            epochs=2, max_steps=None, log_every_steps=100, eval_every_epochs=1, global_batch=2
+        ),
+        device=torch.device("cpu"),
+    )
+    engine.fit()
+    losses = []
+    with torch.no_grad():
+        for epoch in range(2):
+            train.set_epoch(epoch)
+            losses += [torch.nn.functional.cross_entropy(model(x), y).item() for x, y in train]
+    assert len(losses) == 256 and FOLD_EVERY < 100
+    for step, window in ((100, losses[:100]), (200, losses[100:200])):  # 200: steps 101-128 and 129-200
+        assert math.isclose(captured.logged[step]["train/loss"], sum(window) / 100, rel_tol=1e-5)
+    for epoch, values in enumerate(captured.epochs):
+        mean = sum(losses[epoch * 128 : (epoch + 1) * 128]) / 128
+        assert math.isclose(values["train/loss"], mean, rel_tol=1e-5)
+
+
+def test_buffered_scalars_reach_the_event_file_before_a_checkpoint_and_at_close(tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ddpexp.recorder import Recorder
+
+    def logged_steps(tag: str) -> list[int]:
+        acc = EventAccumulator(str(tmp_path))
+        acc.Reload()
+        return [e.step for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+    recorder = Recorder(tmp_path, facts={}, progress=False)
+    recorder.scalars(1, {"train/loss": 2.0})
+    recorder.scalars(2, {"train/loss": 1.5})
+    recorder.save_checkpoint(_state(2), periodic=True, best=False)
+    assert logged_steps("train/loss") == [1, 2]  # a resume from step 2 keeps both points
+    recorder.scalars(3, {"train/loss": 1.0})
+    recorder.close("interrupted")
+    assert logged_steps("train/loss") == [1, 2, 3]
