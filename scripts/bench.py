@@ -174,12 +174,13 @@ def main() -> None:
     print()
     print(table("ratios and costs", RATIOS, rows))
     print()
-    print("loop overhead, one process, alternating epochs (scripts/loop_overhead.py): ddpexp / hand-written")
+    print("loop overhead, one process, epochs in turn (scripts/loop_overhead.py): ddpexp / hand-written")
     for model in models.split(","):
         r = run_loop_overhead(model, smoke=args.smoke)
         print(
             f"{model:<8} {r['ddpexp']:>10,.0f} / {r['hand']:>10,.0f} samples/s = {r['ratio']:.3f} "
-            f"(rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f"(rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}); vs bare: ddpexp {r['ddpexp_vs_bare']:.3f}, "
+            f"hand {r['hand_vs_bare']:.3f}"
         )
     cpus = os.cpu_count()
     print(f"(median of {repeats}; last-epoch training samples/s; {cpus} CPUs; threads per rank = CPUs/ranks)")

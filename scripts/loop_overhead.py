@@ -7,10 +7,13 @@ the same machine state; the median of the per-round ratios is the framework's lo
 
   ddpexp   Engine.train_epoch with a real rank-0 Recorder (TensorBoard scalars every 50 steps, the default)
   hand     for x, y in loader: loss = F.cross_entropy(model(x), y); zero_grad; backward; step
+  bare     the hand loop on one batch re-used, no data handling at all: the ceiling; hand / bare is
+           what reading each epoch's fresh batches costs, whoever writes the loop
 
     python scripts/loop_overhead.py --model mlp64 --rounds 9
 
-Prints one JSON line: median samples/s of each and the median ratio with its range.
+Prints one JSON line: median samples/s of each, and the median per-round ratios ddpexp / hand (with
+its range), ddpexp / bare and hand / bare.
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ def main() -> None:
     evals = loaders.build(splits.eval, mode="device", train=False, **kw)
     torch.manual_seed(0)
     ours = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
-    hand = copy.deepcopy(ours)
-    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01, momentum=0.9)
-    opt_hand = torch.optim.SGD(hand.parameters(), lr=0.01, momentum=0.9)
+    hand, bare = copy.deepcopy(ours), copy.deepcopy(ours)
+    opt_ours, opt_hand, opt_bare = (
+        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, hand, bare)
+    )
     settings = LoopSettings(
         epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=args.batch_size
     )
-    speeds: dict[str, list[float]] = {"ddpexp": [], "hand": []}
+    speeds: dict[str, list[float]] = {"ddpexp": [], "hand": [], "bare": []}
     with tempfile.TemporaryDirectory() as tmp:
         recorder = Recorder(Path(tmp), facts={}, progress=False)
 
@@ -83,28 +87,37 @@ def main() -> None:
                 steps += 1
             return steps * args.batch_size / (time.perf_counter() - start)
 
-        for epoch in range(args.rounds + 1):  # round 0 warms both up and is not counted
-            # Alternate which loop goes first, so neither always inherits the other's cache state.
-            order = (run_ddpexp, run_hand) if epoch % 2 else (run_hand, run_ddpexp)
-            results = {fn.__name__: fn(epoch) for fn in order}
+        def run_bare(epoch: int) -> float:
+            train.set_epoch(epoch)
+            x, y = (t.clone() for t in next(iter(train)))
+            start = time.perf_counter()
+            for _ in range(len(train)):
+                loss = F.cross_entropy(bare(x), y)
+                opt_bare.zero_grad()
+                loss.backward()
+                opt_bare.step()
+            return len(train) * args.batch_size / (time.perf_counter() - start)
+
+        loops = {"ddpexp": run_ddpexp, "hand": run_hand, "bare": run_bare}
+        names = list(loops)
+        for epoch in range(args.rounds + 1):  # round 0 warms all up and is not counted
+            # Rotate which loop goes first, so none always inherits another's cache state.
+            order = names[epoch % 3 :] + names[: epoch % 3]
+            results = {name: loops[name](epoch) for name in order}
             if epoch > 0:
-                speeds["ddpexp"].append(results["run_ddpexp"])
-                speeds["hand"].append(results["run_hand"])
+                for name, speed in results.items():
+                    speeds[name].append(speed)
         recorder.close("completed")
-    ratios = [a / b for a, b in zip(speeds["ddpexp"], speeds["hand"], strict=True)]
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "ddpexp": statistics.median(speeds["ddpexp"]),
-                "hand": statistics.median(speeds["hand"]),
-                "ratio": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
-                "rounds": args.rounds,
-            }
-        )
-    )
+
+    def ratios(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(speeds[a], speeds[b], strict=True)]
+
+    overhead = ratios("ddpexp", "hand")
+    out = {"model": args.model, **{name: statistics.median(v) for name, v in speeds.items()}}
+    out |= {"ratio": statistics.median(overhead), "ratio_min": min(overhead), "ratio_max": max(overhead)}
+    out |= {"ddpexp_vs_bare": statistics.median(ratios("ddpexp", "bare"))}
+    out |= {"hand_vs_bare": statistics.median(ratios("hand", "bare")), "rounds": args.rounds}
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
