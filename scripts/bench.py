@@ -10,14 +10,15 @@ fresh process:
   plain:index    the same loop over hand-written device-resident batches (tensor indexing)
   bare           (single only) one batch re-used on the device: compute only, the ceiling
 
-Throughput is the last epoch's training samples/s (epoch 1 is warm-up; evaluation is not timed), the
-median over repeats. The ratios: framework overhead on the same data path (ddpexp:loader / plain:loader
-and ddpexp:device / plain:index; 1.00 = none), what the device-resident path gains over the tutorials'
-loop (ddpexp:device / plain:loader), and the distance to the ceiling (ddpexp:device / bare). Also: ddpexp's
-time from command to first optimizer step, its data-wait and communication shares, and peak memory
-(max RSS of the largest rank) of ddpexp and of the plain loop.
+Throughput is training samples/s (evaluation is not timed): in each process the median over the epochs
+after the first (a warm-up), then the median over repeats. The ratios: framework overhead on the same
+data path (ddpexp:loader / plain:loader and ddpexp:device / plain:index; 1.00 = none), what the
+device-resident path gains over the tutorials' loop (ddpexp:device / plain:loader), and the distance
+to the ceiling (ddpexp:device / bare). Also: ddpexp's time from command to first optimizer step, its
+data-wait and communication shares, and peak memory (max RSS of the largest rank) of ddpexp and of
+the plain loop.
 
-    python scripts/bench.py                 # full: 5 repeats (about 25 minutes on 2 cores)
+    python scripts/bench.py                 # full: 5 repeats of 5 epochs (about 30 minutes on 2 cores)
     python scripts/bench.py --smoke         # about a minute: mlp only, 1 repeat, tiny data (CI runs it)
 """
 
@@ -53,12 +54,12 @@ def torch_gpus() -> int:
 
 
 def run_ddpexp(
-    model: str, strategy: str, world: int, n: int, loader: str, work: Path, tag: str
+    model: str, strategy: str, world: int, n: int, loader: str, work: Path, tag: str, epochs: int
 ) -> dict[str, float]:
     run_dir = work / tag
     cmd = [
         sys.executable, "-m", "ddpexp", f"strategy={strategy}", *MODELS[model][0], "data=synthetic",
-        f"data.num_train={n}", "data.num_eval=256", "trainer.epochs=2", "trainer.batch_size=64",
+        f"data.num_train={n}", "data.num_eval=256", f"trainer.epochs={epochs}", "trainer.batch_size=64",
         f"loader.mode={loader}", "trainer.progress=false", "checkpoint.every_epochs=null",
         *([f"dist.nprocs={world}"] if strategy == "ddp" else []),
         f"hydra.run.dir={run_dir}",
@@ -68,9 +69,10 @@ def run_ddpexp(
     if proc.returncode != 0:
         raise SystemExit(f"ddpexp failed:\n{proc.stderr[-2000:]}")
     m = json.loads((run_dir / "metrics.json").read_text())
-    last = m["history"][-1]
+    history = m["history"]
+    last = history[-1]
     return {
-        "samples_per_s": last["perf/samples_per_s"],
+        "samples_per_s": statistics.median(h["perf/samples_per_s"] for h in history[1:] or history),
         "startup_s": m.get("time_to_first_step_s", float("nan")),
         "data_wait": last.get("perf/data_wait_frac", 0.0),
         "comm_share": last.get("comm/share", 0.0),
@@ -78,9 +80,9 @@ def run_ddpexp(
     }
 
 
-def run_plain(model: str, world: int, n: int, loader: str) -> dict[str, float]:
+def run_plain(model: str, world: int, n: int, loader: str, epochs: int) -> dict[str, float]:
     cmd = [sys.executable, str(HERE / "plain_loop.py"), *MODELS[model][1], f"--world={world}"]
-    cmd += [f"--num-train={n}", f"--loader={loader}"]
+    cmd += [f"--num-train={n}", f"--loader={loader}", f"--epochs={epochs}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"plain loop failed:\n{proc.stderr[-2000:]}")
@@ -96,17 +98,18 @@ def run_loop_overhead(model: str, *, smoke: bool) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, strategy: str, n: int, repeats: int, work: Path) -> dict[str, float]:
+def measure(model: str, strategy: str, n: int, repeats: int, epochs: int, work: Path) -> dict[str, float]:
     """Medians over repeats; the variants take turns, so drifting machine load hits all alike."""
     world = (min(2, torch_gpus()) if torch_gpus() else 2) if strategy == "ddp" else 1
     runs: dict[str, list[dict[str, float]]] = {}
     for i in range(repeats):
         for loader in ("device", "dataloader"):
+            tag = f"{model}-{strategy}-{loader}-{i}"
             runs.setdefault(f"ddpexp:{loader}", []).append(
-                run_ddpexp(model, strategy, world, n, loader, work, f"{model}-{strategy}-{loader}-{i}")
+                run_ddpexp(model, strategy, world, n, loader, work, tag, epochs)
             )
         for loader in ("dataloader", "index", "bare") if world == 1 else ("dataloader", "index"):
-            runs.setdefault(f"plain:{loader}", []).append(run_plain(model, world, n, loader))
+            runs.setdefault(f"plain:{loader}", []).append(run_plain(model, world, n, loader, epochs))
     med = {
         f"{variant}/{key}": statistics.median(r[key] for r in rs)
         for variant, rs in runs.items()
@@ -158,18 +161,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny and fast: checks that everything runs")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=5, help="per process; the first is a warm-up")
     p.add_argument("--num-train", type=int, default=None, help="default: per model (MODELS)")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--strategies", default="single,ddp")
     args = p.parse_args()
     repeats = 1 if args.smoke else args.repeats
+    epochs = 2 if args.smoke else args.epochs
     models = "mlp" if args.smoke else args.models
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models.split(","):
             n = 512 if args.smoke else args.num_train or MODELS[model][2]
             for strategy in args.strategies.split(","):
-                rows.append((model, strategy, measure(model, strategy, n, repeats, Path(tmp))))
+                rows.append((model, strategy, measure(model, strategy, n, repeats, epochs, Path(tmp))))
     print(table("samples/s", COLUMNS, rows))
     print()
     print(table("ratios and costs", RATIOS, rows))
@@ -183,7 +188,10 @@ def main() -> None:
             f"hand {r['hand_vs_bare']:.3f}"
         )
     cpus = os.cpu_count()
-    print(f"(median of {repeats}; last-epoch training samples/s; {cpus} CPUs; threads per rank = CPUs/ranks)")
+    print(
+        f"(training samples/s: median of {repeats} processes, each the median of its epochs 2-{epochs}; "
+        f"{cpus} CPUs; threads per rank = CPUs/ranks)"
+    )
 
 
 if __name__ == "__main__":

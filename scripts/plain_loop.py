@@ -10,8 +10,8 @@ classes and the same synthetic data as ddpexp's `data=synthetic`. Other data pat
 
     python scripts/plain_loop.py --model mlp --world 2 --num-train 8192 --epochs 2
 
-Prints one JSON line: samples/s of the last epoch (rank 0's wall clock, all ranks together) and the
-peak resident memory of the largest rank in MB.
+Prints one JSON line: samples/s (rank 0's wall clock, all ranks together; the median over the epochs
+after the first, which warms up) and the peak resident memory of the largest rank in MB.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     loader = DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True, pin_memory=cuda)
     fixed = tuple(t.to(device) for t in next(iter(loader)))
     x_all, y_all = (t.to(device) for t in data.tensors)
-    elapsed = steps = 0
+    speeds = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         if world > 1:
@@ -96,12 +97,12 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
             torch.cuda.synchronize(device)
         if world > 1:
             dist.barrier()
-        elapsed = time.perf_counter() - start
+        speeds.append(steps * args.batch_size / (time.perf_counter() - start))
     peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        out["samples_per_s"] = steps * args.batch_size / elapsed
+        out["samples_per_s"] = statistics.median(speeds[1:] or speeds)
         out["peak_mb"] = float(peak)
     if world > 1:
         dist.destroy_process_group()
