@@ -9,11 +9,13 @@ the same machine state; the median of the per-round ratios is the framework's lo
   hand     for x, y in loader: loss = F.cross_entropy(model(x), y); zero_grad; backward; step
   bare     the hand loop on one batch re-used, no data handling at all: the ceiling; hand / bare is
            what reading each epoch's fresh batches costs, whoever writes the loop
+  loader   the hand loop over the tutorials' DataLoader + DistributedSampler (shuffle, set_epoch):
+           ddpexp / loader is what device-resident batching gains over it
 
     python scripts/loop_overhead.py --model mlp64 --rounds 9
 
 Prints one JSON line: median samples/s of each, and the median per-round ratios ddpexp / hand (with
-its range), ddpexp / bare and hand / bare.
+its range), ddpexp / bare, hand / bare and ddpexp / loader.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from plain_loop import make_model  # the models the plain loop trains (scripts/ is on sys.path)
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpexp.data import loaders
 from ddpexp.data.synthetic import synthetic
@@ -53,14 +56,16 @@ def main() -> None:
     evals = loaders.build(splits.eval, mode="device", train=False, **kw)
     torch.manual_seed(0)
     ours = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
-    hand, bare = copy.deepcopy(ours), copy.deepcopy(ours)
-    opt_ours, opt_hand, opt_bare = (
-        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, hand, bare)
+    hand, bare, tut = copy.deepcopy(ours), copy.deepcopy(ours), copy.deepcopy(ours)
+    opt_ours, opt_hand, opt_bare, opt_tut = (
+        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, hand, bare, tut)
     )
+    sampler = DistributedSampler(splits.train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    tutorial = DataLoader(splits.train.dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     settings = LoopSettings(
         epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=args.batch_size
     )
-    speeds: dict[str, list[float]] = {"ddpexp": [], "hand": [], "bare": []}
+    speeds: dict[str, list[float]] = {"ddpexp": [], "hand": [], "bare": [], "loader": []}
     with tempfile.TemporaryDirectory() as tmp:
         recorder = Recorder(Path(tmp), facts={}, progress=False)
 
@@ -98,11 +103,22 @@ def main() -> None:
                 opt_bare.step()
             return len(train) * args.batch_size / (time.perf_counter() - start)
 
-        loops = {"ddpexp": run_ddpexp, "hand": run_hand, "bare": run_bare}
+        def run_loader(epoch: int) -> float:
+            sampler.set_epoch(epoch)
+            start, steps = time.perf_counter(), 0
+            for x, y in tutorial:
+                loss = F.cross_entropy(tut(x), y)
+                opt_tut.zero_grad()
+                loss.backward()
+                opt_tut.step()
+                steps += 1
+            return steps * args.batch_size / (time.perf_counter() - start)
+
+        loops = {"ddpexp": run_ddpexp, "hand": run_hand, "bare": run_bare, "loader": run_loader}
         names = list(loops)
         for epoch in range(args.rounds + 1):  # round 0 warms all up and is not counted
             # Rotate which loop goes first, so none always inherits another's cache state.
-            order = names[epoch % 3 :] + names[: epoch % 3]
+            order = names[epoch % len(names) :] + names[: epoch % len(names)]
             results = {name: loops[name](epoch) for name in order}
             if epoch > 0:
                 for name, speed in results.items():
@@ -116,7 +132,8 @@ def main() -> None:
     out = {"model": args.model, **{name: statistics.median(v) for name, v in speeds.items()}}
     out |= {"ratio": statistics.median(overhead), "ratio_min": min(overhead), "ratio_max": max(overhead)}
     out |= {"ddpexp_vs_bare": statistics.median(ratios("ddpexp", "bare"))}
-    out |= {"hand_vs_bare": statistics.median(ratios("hand", "bare")), "rounds": args.rounds}
+    out |= {"hand_vs_bare": statistics.median(ratios("hand", "bare"))}
+    out |= {"ddpexp_vs_loader": statistics.median(ratios("ddpexp", "loader")), "rounds": args.rounds}
     print(json.dumps(out))
 
 
