@@ -80,22 +80,22 @@ def run_ddpexp(
     }
 
 
-def run_plain(model: str, world: int, n: int, loader: str, epochs: int) -> dict[str, float]:
-    cmd = [sys.executable, str(HERE / "plain_loop.py"), *MODELS[model][1], f"--world={world}"]
-    cmd += [f"--num-train={n}", f"--loader={loader}", f"--epochs={epochs}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def run_script(name: str, args: list[str]) -> dict[str, float]:
+    """Run one of the scripts beside this one; its last stdout line is its JSON result."""
+    proc = subprocess.run([sys.executable, str(HERE / name), *args], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"plain loop failed:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_plain(model: str, world: int, n: int, loader: str, epochs: int) -> dict[str, float]:
+    args = [*MODELS[model][1], f"--world={world}", f"--num-train={n}", f"--loader={loader}"]
+    return run_script("plain_loop.py", [*args, f"--epochs={epochs}"])
 
 
 def run_loop_overhead(model: str, *, smoke: bool) -> dict[str, float]:
-    cmd = [sys.executable, str(HERE / "loop_overhead.py"), f"--model={model}"]
-    cmd += ["--rounds=2", "--num-train=512"] if smoke else ["--rounds=15"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"loop_overhead.py failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    rounds = ["--rounds=2", "--num-train=512"] if smoke else ["--rounds=15"]
+    return run_script("loop_overhead.py", [f"--model={model}", *rounds])
 
 
 def measure(model: str, strategy: str, n: int, repeats: int, epochs: int, work: Path) -> dict[str, float]:

@@ -26,6 +26,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from plain_loop import make_model  # the models the plain loop trains (scripts/ 
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpexp.data import loaders
+from ddpexp.data.loaders import Batch
 from ddpexp.data.synthetic import synthetic
 from ddpexp.engine import Engine, LoopSettings
 from ddpexp.recorder import Recorder
@@ -81,38 +83,29 @@ def main() -> None:
             )
             return engine.train_epoch(epoch)["perf/samples_per_s"]
 
-        def run_hand(epoch: int) -> float:
-            train.set_epoch(epoch)
+        def timed(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch]) -> float:
+            """The hand-written loop: samples/s of one pass over `batches`."""
             start, steps = time.perf_counter(), 0
-            for x, y in train:
-                loss = F.cross_entropy(hand(x), y)
-                opt_hand.zero_grad()
+            for x, y in batches:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
                 loss.backward()
-                opt_hand.step()
+                opt.step()
                 steps += 1
             return steps * args.batch_size / (time.perf_counter() - start)
+
+        def run_hand(epoch: int) -> float:
+            train.set_epoch(epoch)
+            return timed(hand, opt_hand, train)
 
         def run_bare(epoch: int) -> float:
             train.set_epoch(epoch)
-            x, y = (t.clone() for t in next(iter(train)))
-            start = time.perf_counter()
-            for _ in range(len(train)):
-                loss = F.cross_entropy(bare(x), y)
-                opt_bare.zero_grad()
-                loss.backward()
-                opt_bare.step()
-            return len(train) * args.batch_size / (time.perf_counter() - start)
+            fixed = tuple(t.clone() for t in next(iter(train)))
+            return timed(bare, opt_bare, (fixed for _ in range(len(train))))
 
         def run_loader(epoch: int) -> float:
             sampler.set_epoch(epoch)
-            start, steps = time.perf_counter(), 0
-            for x, y in tutorial:
-                loss = F.cross_entropy(tut(x), y)
-                opt_tut.zero_grad()
-                loss.backward()
-                opt_tut.step()
-                steps += 1
-            return steps * args.batch_size / (time.perf_counter() - start)
+            return timed(tut, opt_tut, tutorial)
 
         loops = {"ddpexp": run_ddpexp, "hand": run_hand, "bare": run_bare, "loader": run_loader}
         names = list(loops)
