@@ -140,8 +140,7 @@ class Engine:
         self.model.module.train()
         acc = self.s.accumulate
         self.train_loader.set_epoch(epoch, start=self.pos.step_in_epoch * acc)
-        self._fold()
-        self._epoch_loss.zero_()
+        self._epoch_loss.zero_()  # the previous epoch folded everything it gathered before returning
         steps_per_epoch = self.steps_per_epoch
         remaining = (steps_per_epoch - self.pos.step_in_epoch) * acc
         batches = self.recorder.progress(
