@@ -52,6 +52,15 @@ def metrics(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every TensorBoard scalar a run wrote: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 @pytest.fixture
 def hydra_conf():
     """Hydra's compose API on ddpexp's own config tree, with the schema registered."""

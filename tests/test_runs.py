@@ -13,14 +13,13 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddpexp import models
 from ddpexp.data.synthetic import synthetic
 from ddpexp.recorder import TAGS
 from ddpexp.train import seed_everything
 
-from .conftest import QUICK, metrics, run_ddpexp
+from .conftest import QUICK, metrics, run_ddpexp, scalars
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,12 +34,6 @@ FACT_KEYS = {
 }
 STEPS = 5
 PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
-
-
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(run_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

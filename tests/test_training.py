@@ -17,7 +17,7 @@ from ddpexp.engine import Engine, LoopSettings
 from ddpexp.recorder import NullRecorder
 from ddpexp.strategies import Wrapped
 
-from .conftest import QUICK, RESUME, metrics, run_ddpexp, same_weights
+from .conftest import QUICK, RESUME, metrics, run_ddpexp, same_weights, scalars
 
 
 def ckpt(run_dir: Path) -> dict:
@@ -255,12 +255,9 @@ def test_less_common_settings_take_effect(tmp_path: Path):
         "hydra.run.dir=run",
     )
     assert result.returncode == 0, result
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tmp_path / "run"))
-    acc.Reload()
-    assert [e.step for e in acc.Scalars("eval/loss")] == [10, 20, 30, 32, 40, 50, 60, 64]
-    assert not any(tag.startswith("comm/") for tag in acc.Tags()["scalars"])
+    logged = scalars(tmp_path / "run")
+    assert [step for step, _ in logged["eval/loss"]] == [10, 20, 30, 32, 40, 50, 60, 64]
+    assert not any(tag.startswith("comm/") for tag in logged)
     history = metrics(tmp_path / "run")["history"]
     best = torch.load(tmp_path / "run" / "checkpoints" / "best.pt", weights_only=True)
     assert best["metrics"]["best"] == min(h["eval/loss"] for h in history)
@@ -321,14 +318,10 @@ def test_logged_losses_are_exact_means_over_windows_longer_than_a_fold_and_acros
 
 
 def test_buffered_scalars_reach_the_event_file_before_a_checkpoint_and_at_close(tmp_path: Path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from ddpexp.recorder import Recorder
 
     def logged_steps(tag: str) -> list[int]:
-        acc = EventAccumulator(str(tmp_path))
-        acc.Reload()
-        return [e.step for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+        return [step for step, _ in scalars(tmp_path).get(tag, [])]
 
     recorder = Recorder(tmp_path, facts={}, progress=False)
     recorder.scalars(1, {"train/loss": 2.0})
