@@ -2,59 +2,97 @@
 
 The YAML files in conf/ fill these dataclasses; Hydra validates every override against them, so a
 misspelt key (`trainer.epochz=3`) or a bad enum value (`init=foo`) fails at composition time with
-the exact key named. Open-ended things (model, data) are `_target_` dicts instead: any importable
-build function works, see conf/model and conf/data.
+the exact key named. Closed choices are Enums, so Hydra refuses a value outside them the same way.
+
+The `strategy` section has no schema here: every strategy module declares its own dataclass (a
+subclass of `StrategyConfig`) and registers it in the ConfigStore as `<name>_schema`, which its YAML
+file lists in its defaults. `strategy=ddp strategy.stages=2` then fails at composition with
+"Key 'stages' not in 'DdpConfig'". Open-ended things (model, data) are `_target_` dicts instead:
+any importable build function works, see conf/model and conf/data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
-class InitMethod(str, Enum):
+class InitMethod(StrEnum):
     env = "env"  # MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE from the environment (torchrun's way)
     tcp = "tcp"  # tcp://addr:port with explicit rank and world size
     file = "file"  # file:// on a path every rank can see
 
 
-class LoaderMode(str, Enum):
+class LoaderMode(StrEnum):
     auto = "auto"  # device-resident when the dataset is in-memory tensors, else DataLoader
     device = "device"  # whole dataset as tensors on the training device, batches by indexing
     dataloader = "dataloader"  # torch DataLoader + DistributedSampler (the tutorials' way)
 
 
+class StartMethod(StrEnum):
+    forkserver = "forkserver"  # fork workers from a process that imported torch once (fast start)
+    spawn = "spawn"  # a fresh interpreter per worker (slower start; nothing shared at all)
+
+
+class Device(StrEnum):
+    auto = "auto"  # cuda when a GPU is visible, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(Enum):
+    # `trainer.precision=32` arrives as the integer 32, which OmegaConf matches by value; `fp32` by name.
+    fp32 = 32
+    bf16 = "bf16"  # autocast to bfloat16 (CPU and GPU)
+    fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
+
+
+class Mode(StrEnum):
+    train = "train"
+    eval = "eval"  # score the weights of trainer.resume without training
+
+
+class OptimizerName(StrEnum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class ScaleRule(StrEnum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class Schedule(StrEnum):
+    constant = "constant"
+    step = "step"
+    cosine = "cosine"
+
+
+class BestMode(StrEnum):
+    max = "max"
+    min = "min"
+
+
 @dataclass
 class StrategyConfig:
-    # Which strategy module wraps the model: one file per name in ddpexp/strategies/.
+    """What every strategy's own schema starts with (ddpexp/strategies/<name>.py declares the rest)."""
+
+    # The registered strategy that wraps the model (ddpexp.strategies.register).
     name: str = MISSING
-    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch) before
-    # wrapping. Strategies with a process group only (ddp, ddp_mp, naive_allreduce).
-    sync_bn: bool = False
-    # dp only: the GPUs DataParallel replicates over (None: every visible GPU).
-    device_ids: list[int] | None = None
-    # ddp_mp only: devices each process owns; the model is split into this many pipeline stages.
-    stages: int = 2
-    # ddp, ddp_mp: DDP's gradient bucket size in MB (None: DDP's default, 25). naive_allreduce: None
-    # = one all_reduce per parameter, a size = gradients flattened into buckets of that size.
-    bucket_cap_mb: float | None = None
-    # ddp, ddp_mp: DistributedDataParallel settings. gradient_as_bucket_view saves a gradient copy;
-    # static_graph lets DDP optimise a graph that never changes; broadcast_buffers (None: on, except
-    # with sync_bn, where BatchNorm statistics are already global) re-sends rank 0's buffers each
-    # forward; find_unused_parameters is for models whose forward skips parameters (slower).
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    broadcast_buffers: bool | None = None
-    find_unused_parameters: bool = False
+    # For a strategy of your own: the Python module that registers it (imported before use, in the
+    # parent and in every worker). Built-in strategies leave it unset.
+    module: str | None = None
 
 
 @dataclass
 class DistConfig:
-    # Processes per node when ddpexp launches its own workers. None: one per GPU, or 2 without GPUs.
+    # Processes per node when ddpexp launches its own workers. None: the strategy's default (one per
+    # GPU, or 2 without GPUs, for the data-parallel strategies).
     nprocs: int | None = None
     # Rendezvous address for init=env/tcp. Self-launch is one node, so loopback is right.
     master_addr: str = "127.0.0.1"
@@ -68,6 +106,8 @@ class DistConfig:
     # Restart the workers this many times after a failure; each restart resumes from the run's newest
     # valid checkpoint (from scratch if there is none). Under torchrun use its --max-restarts instead.
     max_restarts: int = 0
+    # How self-launched workers start: forked from a server that imported torch once, or spawned.
+    start_method: StartMethod = StartMethod.forkserver
 
 
 @dataclass
@@ -80,8 +120,8 @@ class LoaderConfig:
 
 @dataclass
 class OptimConfig:
-    # sgd | adamw (ddpexp/optim.py). lr is the learning rate at the configured global batch size.
-    name: str = MISSING
+    # ddpexp/optim.py builds it. lr is the learning rate at the configured global batch size.
+    name: OptimizerName = MISSING
     lr: float = 0.01
     weight_decay: float = 0.0
     momentum: float = 0.0  # sgd only
@@ -90,12 +130,12 @@ class OptimConfig:
     eps: float = 1e-8  # adamw only
     # Fused kernels (one kernel for all parameters). None: torch's default (foreach where supported).
     fused: bool | None = None
-    # LR scaling with the global batch: lr_used = lr * f(batch_size / ref_batch_size), f = none |
-    # linear | sqrt. Logged (facts.lr_used) so runs at different batch sizes stay comparable.
-    scale_rule: str = "none"
+    # LR scaling with the global batch: lr_used = lr * f(batch_size / ref_batch_size). Logged
+    # (facts.lr_used) so runs at different batch sizes stay comparable.
+    scale_rule: ScaleRule = ScaleRule.none
     ref_batch_size: int = 64
-    # LR schedule over optimizer steps: constant | step | cosine, after `warmup_steps` of linear warmup.
-    schedule: str = "constant"
+    # LR schedule over optimizer steps, after `warmup_steps` of linear warmup.
+    schedule: Schedule = Schedule.constant
     warmup_steps: int = 0
     step_size: int = 1000  # step: multiply by gamma every step_size optimizer steps
     gamma: float = 0.1
@@ -124,10 +164,8 @@ class TrainerConfig:
     progress: bool | None = None
     # Also evaluate every this many optimizer steps (None: at epoch ends only).
     eval_every_steps: int | None = None
-    # train | eval. eval: score the weights of trainer.resume without training.
-    mode: str = "train"
-    # 32 | bf16 | fp16 (autocast; fp16 uses a GradScaler and needs CUDA).
-    precision: str = "32"
+    mode: Mode = Mode.train
+    precision: Precision = Precision.fp32
     # Micro-batches per optimizer step. Global batch = per-rank micro-batch x accumulate x world size.
     accumulate: int = 1
     # Clip the (synchronised) gradient to this total L2 norm (None: no clipping).
@@ -151,14 +189,15 @@ class CheckpointConfig:
     every_steps: int | None = None
     # Periodic checkpoints kept (older ones deleted); best.pt is kept separately.
     keep_last_k: int = 2
-    # Which eval metric decides best.pt, and whether higher (max) or lower (min) is better.
+    # The one definition of "best" (best.pt, metrics.json's `best`, the report): this eval metric,
+    # higher (max) or lower (min) being better.
     best_metric: str = "eval/acc"
-    best_mode: str = "max"
+    best_mode: BestMode = BestMode.max
 
 
 @dataclass
 class Config:
-    strategy: StrategyConfig = MISSING
+    strategy: Any = MISSING  # typed by the chosen strategy's own schema (see the module docstring)
     model: dict[str, Any] = MISSING
     data: dict[str, Any] = MISSING
     optim: OptimConfig = MISSING
@@ -166,15 +205,18 @@ class Config:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # auto | nccl | gloo | mpi (auto: nccl with GPUs, gloo without).
+    # auto | nccl | gloo | mpi, or per device type: cpu:gloo,cuda:nccl (auto: nccl with GPUs, gloo without).
     backend: str = "auto"
     init: InitMethod = InitMethod.env
-    # auto | cpu | cuda. auto: cuda when available.
-    device: str = "auto"
+    device: Device = Device.auto
     # Seeds model init (identical on every rank), data order and per-rank random streams.
     seed: int = 0
 
 
 def register_schema() -> None:
-    """Make the schema available to conf/config.yaml's defaults list as `config_schema`."""
+    """Make the schema available to conf/config.yaml's defaults list as `config_schema`, and every
+    built-in strategy's own schema as `<name>_schema` (importing a strategy module registers it)."""
+    from . import strategies
+
     ConfigStore.instance().store(name="config_schema", node=Config)
+    strategies.load_builtins()

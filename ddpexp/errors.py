@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class UserError(Exception):
     """A problem with the user's input or environment: shown as one line plus the fix, exit code 2.
@@ -20,3 +22,11 @@ class UserError(Exception):
     def __str__(self) -> str:
         head = f"{self.setting}: {self.message}" if self.setting else self.message
         return f"{head} (fix: {self.fix})" if self.fix else head
+
+
+def require_positive(required: dict[str, Any], optional: dict[str, Any] | None = None) -> None:
+    """Every setting in `required`, and every non-null one in `optional`, must be > 0."""
+    values = {**required, **{k: v for k, v in (optional or {}).items() if v is not None}}
+    for key, value in values.items():
+        if value <= 0:
+            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")

@@ -10,12 +10,16 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from . import strategies
-from .errors import UserError
+from .config import Device, InitMethod, Mode, Precision
+from .errors import UserError, require_positive
+
+if TYPE_CHECKING:
+    from .strategies import Strategy
 
 BACKENDS = ("nccl", "gloo", "mpi")
 _COMBINED_BACKEND = re.compile(r"^(cpu|cuda):(nccl|gloo|mpi)(,(cpu|cuda):(nccl|gloo|mpi))*$")
@@ -65,7 +69,6 @@ class Plan:
     per_rank_batch: int
     eval_per_rank_batch: int
     replicas: int  # model replicas sharing one global batch (world size; DataParallel: its GPUs)
-    device_ids: list[int] | None = None  # explicit devices of this process (DataParallel)
 
     @property
     def devices(self) -> int:
@@ -82,49 +85,20 @@ class Plan:
 
 
 def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None) -> Plan:
-    strategy = strategies.get(cfg.strategy.name)
+    """The launch layout of one job, or a UserError. The strategy decides its devices per process and
+    default process count, and checks the finished plan against its own settings."""
+    strategy, settings = strategies.resolve(cfg.strategy)
     _check_sizes(cfg)
     device_type = _device_type(cfg.device, host)
-    k = strategy.devices_per_process(cfg, device_type, host)
-    strategy.check(cfg, device_type, host)
-
-    if not strategy.USES_PROCESS_GROUP:
-        if external is not None and external.world_size > 1:
-            raise UserError(
-                f"strategy {cfg.strategy.name!r} is single-process but the launcher started "
-                f"{external.world_size} processes",
-                setting="strategy",
-                fix="use strategy=ddp under torchrun, or run without torchrun",
-            )
-        # A restart needs a supervisor outside the failing process: then even one process is spawned.
-        launcher, nprocs, world = ("spawn" if cfg.dist.max_restarts else "inprocess"), 1, 1
-    elif external is not None:
-        if _init(cfg) != "env":
-            raise UserError(
-                f"init={_init(cfg)} is for self-launched runs; under torchrun the launcher's rendezvous "
-                "connects the ranks",
-                setting="init",
-                fix="drop the init override when running under torchrun",
-            )
-        if cfg.dist.max_restarts:
-            raise UserError(
-                "is for self-launched runs; torchrun restarts its workers itself",
-                setting="dist.max_restarts",
-                fix="pass --max-restarts to torchrun instead (ddpexp resumes from the newest checkpoint)",
-            )
-        launcher, nprocs, world = "torchrun", external.local_world_size, external.world_size
-    else:
-        launcher = "spawn"
-        nprocs = cfg.dist.nprocs if cfg.dist.nprocs is not None else _default_nprocs(device_type, host, k)
-        world = nprocs
+    k = strategy.devices_per_process(settings, device_type=device_type, host=host)
+    launcher, nprocs, world = _layout(cfg, strategy, settings, device_type, host, external, k)
     if device_type == "cuda" and nprocs * k > host.cuda_devices:
         raise UserError(
             f"{nprocs} processes x {k} device(s) need {nprocs * k} GPUs; {host.cuda_devices} are visible",
             setting="dist.nprocs",
             fix=f"use dist.nprocs<={max(host.cuda_devices // k, 1)} or device=cpu",
         )
-
-    backend = _backend(cfg.backend, device_type, host) if strategy.USES_PROCESS_GROUP else None
+    backend = _backend(cfg.backend, device_type, host) if strategy.uses_process_group else None
     acc = cfg.trainer.accumulate
     per_rank = cfg.trainer.batch_per_rank
     global_batch = per_rank * world * acc if per_rank is not None else cfg.trainer.batch_size
@@ -138,21 +112,64 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         )
     _check_training(cfg, device_type)
     eval_global = cfg.trainer.eval_batch_size or global_batch
-    return Plan(
-        strategy=cfg.strategy.name,
+    result = Plan(
+        strategy=strategy.name,
         launcher=launcher,
         device_type=device_type,
         backend=backend,
-        init=_init(cfg),
+        init=InitMethod(cfg.init).value,
         world_size=world,
         nprocs_per_node=nprocs,
         devices_per_process=k,
         global_batch=global_batch,
         per_rank_batch=global_batch // (world * acc),
         eval_per_rank_batch=max(1, eval_global // world),
-        replicas=world if strategy.USES_PROCESS_GROUP else k,
-        device_ids=getattr(strategy, "device_ids", lambda *a: None)(cfg, device_type, host),
+        replicas=world if strategy.uses_process_group else k,
     )
+    strategy.check(settings, plan=result, host=host)
+    return result
+
+
+def _layout(
+    cfg: DictConfig,
+    strategy: Strategy[Any],
+    settings: Any,
+    device_type: str,
+    host: HostFacts,
+    external: ExternalWorld | None,
+    k: int,
+) -> tuple[str, int, int]:
+    """(launcher, processes per node, world size)."""
+    init = InitMethod(cfg.init).value
+    if not strategy.uses_process_group:
+        if external is not None and external.world_size > 1:
+            raise UserError(
+                f"strategy {strategy.name!r} is single-process but the launcher started "
+                f"{external.world_size} processes",
+                setting="strategy",
+                fix="use strategy=ddp under torchrun, or run without torchrun",
+            )
+        # A restart needs a supervisor outside the failing process: then even one process is spawned.
+        return ("spawn" if cfg.dist.max_restarts else "inprocess"), 1, 1
+    if external is not None:
+        if init != "env":
+            raise UserError(
+                f"init={init} is for self-launched runs; under torchrun the launcher's rendezvous "
+                "connects the ranks",
+                setting="init",
+                fix="drop the init override when running under torchrun",
+            )
+        if cfg.dist.max_restarts:
+            raise UserError(
+                "is for self-launched runs; torchrun restarts its workers itself",
+                setting="dist.max_restarts",
+                fix="pass --max-restarts to torchrun instead (ddpexp resumes from the newest checkpoint)",
+            )
+        return "torchrun", external.local_world_size, external.world_size
+    nprocs = cfg.dist.nprocs
+    if nprocs is None:
+        nprocs = strategy.default_nprocs(settings, device_type=device_type, host=host, devices_per_process=k)
+    return "spawn", nprocs, nprocs
 
 
 def _check_sizes(cfg: DictConfig) -> None:
@@ -168,7 +185,7 @@ def _check_sizes(cfg: DictConfig) -> None:
         "trainer.eval_batch_size": t.eval_batch_size,
         "dist.nprocs": cfg.dist.nprocs,
     }
-    _require_positive(positive, optional_positive)
+    require_positive(positive, optional_positive)
     if t.max_steps is not None and t.max_steps < 0:
         raise UserError(
             f"must be >= 0, got {t.max_steps}",
@@ -209,22 +226,12 @@ def _check_address(addr: str) -> None:
         )
 
 
-def _device_type(device: str, host: HostFacts) -> str:
-    if device == "auto":
+def _device_type(device: Device, host: HostFacts) -> str:
+    if device == Device.auto:
         return "cuda" if host.cuda_devices else "cpu"
-    if device == "cpu":
-        return "cpu"
-    if device == "cuda":
-        if not host.cuda_devices:
-            raise UserError("no CUDA device is visible", setting="device", fix="use device=cpu (or auto)")
-        return "cuda"
-    raise UserError(f"unknown device {device!r}", setting="device", fix="use device=auto, cpu or cuda")
-
-
-def _default_nprocs(device_type: str, host: HostFacts, devices_per_process: int) -> int:
-    if device_type == "cuda":
-        return max(host.cuda_devices // devices_per_process, 1)
-    return 2
+    if device == Device.cuda and not host.cuda_devices:
+        raise UserError("no CUDA device is visible", setting="device", fix="use device=cpu (or auto)")
+    return Device(device).value
 
 
 def _backend(requested: str, device_type: str, host: HostFacts) -> str:
@@ -259,35 +266,15 @@ def _backend(requested: str, device_type: str, host: HostFacts) -> str:
     return requested
 
 
-def _require_positive(required: dict[str, Any], optional: dict[str, Any]) -> None:
-    """Every setting in `required`, and every non-null one in `optional`, must be > 0."""
-    values = {**required, **{k: v for k, v in optional.items() if v is not None}}
-    for key, value in values.items():
-        if value <= 0:
-            raise UserError(f"must be positive, got {value}", setting=key, fix=f"set {key} to a value > 0")
-
-
 def _check_training(cfg: DictConfig, device_type: str) -> None:
     t, o = cfg.trainer, cfg.optim
-    choices = {
-        "trainer.precision": (str(t.precision), ("32", "bf16", "fp16")),
-        "trainer.mode": (t.mode, ("train", "eval")),
-        "optim.scale_rule": (o.scale_rule, ("none", "linear", "sqrt")),
-        "optim.schedule": (o.schedule, ("constant", "step", "cosine")),
-        "checkpoint.best_mode": (cfg.checkpoint.best_mode, ("max", "min")),
-    }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise UserError(
-                f"{value!r} is not one of {', '.join(allowed)}", setting=key, fix=f"use {key}={allowed[0]}"
-            )
-    if str(t.precision) == "fp16" and device_type != "cuda":
+    if t.precision == Precision.fp16 and device_type != "cuda":
         raise UserError(
             "fp16 mixed precision needs CUDA (its loss scaling is a GPU feature)",
             setting="trainer.precision",
             fix="use trainer.precision=bf16 on CPU, or 32",
         )
-    if t.mode == "eval" and not t.resume:
+    if t.mode == Mode.eval and not t.resume:
         raise UserError(
             "an evaluation run needs weights to evaluate",
             setting="trainer.mode",
@@ -301,19 +288,14 @@ def _check_training(cfg: DictConfig, device_type: str) -> None:
     }
     optional = {
         "trainer.batch_per_rank": t.batch_per_rank,
-        "strategy.bucket_cap_mb": cfg.strategy.bucket_cap_mb,
         "trainer.eval_every_steps": t.eval_every_steps,
         "trainer.clip_grad_norm": t.clip_grad_norm,
         "checkpoint.every_epochs": cfg.checkpoint.every_epochs,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
     }
-    _require_positive(positive, optional)
+    require_positive(positive, optional)
     if o.warmup_steps < 0:
         raise UserError("must be >= 0", setting="optim.warmup_steps", fix="use optim.warmup_steps=0 or more")
-
-
-def _init(cfg: DictConfig) -> str:
-    return cfg.init.value if hasattr(cfg.init, "value") else str(cfg.init)
 
 
 def _round_up(n: int, m: int) -> int:

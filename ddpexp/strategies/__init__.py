@@ -1,50 +1,53 @@
-"""Strategies: one small module per way of spreading training over devices.
+"""Strategies: one module per way of spreading training over devices, behind one typed contract.
 
-Every module exposes the same tiny interface:
+A strategy is a subclass of `Strategy[C]`, where C is its own config dataclass (a `StrategyConfig`
+subclass holding exactly the settings it understands). `@register` next to the class makes it
+available by name and stores C in Hydra's ConfigStore as `<name>_schema`, which the strategy's YAML
+lists in its defaults; a setting another strategy owns then fails at composition, naming the key.
 
-- ``USES_PROCESS_GROUP``: whether it runs as one process per rank with torch.distributed;
-- ``devices_per_process(cfg, device_type, host) -> int``: devices one process drives (launch arithmetic);
-- ``check(cfg, device_type, host) -> None``: refuse combinations that cannot work, before launch;
-- ``check_model(model, cfg) -> None`` (optional): refuse a model it cannot handle (built on "meta");
-- ``wrap(model, *, ctx, cfg) -> Wrapped``: put the model on its device(s) and wrap it.
+Adding a strategy = one module (the class, its config dataclass, `@register`) + one YAML in
+conf/strategy/ (`defaults: [<name>_schema, _self_]`) + its name in BUILTIN. A strategy of your own
+lives anywhere importable: its YAML sets `module: your.module`, which ddpexp imports in the parent
+and in every worker before use (tests/tiny_strategy.py is one).
 
-Adding a strategy = one module here + one YAML in conf/strategy/ + one line in STRATEGIES.
+What the contract covers, in the order a run uses it:
+  launch arithmetic   uses_process_group, devices_per_process, default_nprocs, process_devices
+  before launch       check (against the plan), check_model (on a model built on the meta device)
+  in each worker      wrap -> Wrapped, build_optimizer
+  checkpoints         model_state / load_model_state, optimizer_state / load_optimizer_state: full,
+                      unsharded state in plain containers, whatever the strategy holds per rank
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from types import ModuleType
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
+from ..config import StrategyConfig
 from ..errors import UserError
 from .comm import CommMeter
 
+if TYPE_CHECKING:
+    from ..context import RunContext
+    from ..validate import HostFacts, Plan
+
 log = logging.getLogger(__name__)
 
-STRATEGIES: dict[str, str] = {
-    "single": "ddpexp.strategies.single",
-    "dp": "ddpexp.strategies.dp",
-    "ddp": "ddpexp.strategies.ddp",
-    "ddp_mp": "ddpexp.strategies.ddp_mp",
-    "naive_allreduce": "ddpexp.strategies.naive_allreduce",
-}
+# Strategies shipped with ddpexp: the module ddpexp.strategies.<name> registers each.
+BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce")
 
-
-def get(name: str) -> ModuleType:
-    if name not in STRATEGIES:
-        raise UserError(
-            f"unknown strategy {name!r}",
-            setting="strategy",
-            fix=f"choose one of: {', '.join(STRATEGIES)}",
-        )
-    return importlib.import_module(STRATEGIES[name])
+C = TypeVar("C", bound=StrategyConfig)
+MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass
@@ -52,10 +55,11 @@ class Wrapped:
     """What the engine trains, so that it never needs to know which strategy it runs.
 
     ``module`` is called for training forward passes; ``base`` is the plain model underneath (its
-    state_dict is what checkpoints hold); ``eval_module`` runs evaluation on this process's shard
-    without any collective (default: ``base``; a multi-device pipeline for model parallelism).
-    ``no_sync`` suppresses gradient synchronisation for all but the last micro-batch of an
-    accumulated step; ``sync_grads`` runs after the last backward of a step, before the optimizer.
+    parameters are what the optimizer steps, unless the strategy builds the optimizer itself);
+    ``eval_module`` runs evaluation on this process's shard without any collective (default:
+    ``base``; a multi-device pipeline for model parallelism). ``no_sync`` suppresses gradient
+    synchronisation for all but the last micro-batch of an accumulated step; ``sync_grads`` runs after
+    the last backward of a step, before the optimizer.
     """
 
     module: nn.Module
@@ -70,47 +74,146 @@ class Wrapped:
             self.eval_module = self.base
 
 
-def refuse_sync_bn(cfg: DictConfig, name: str) -> None:
-    if cfg.strategy.sync_bn:
-        raise UserError(
-            f"strategy {name} has no process group to synchronize BatchNorm over",
-            setting="strategy.sync_bn",
-            fix="use strategy=ddp (or ddp_mp, naive_allreduce) with sync_bn, or strategy.sync_bn=false",
-        )
+class Strategy(ABC, Generic[C]):
+    """One way of spreading training over devices. Subclasses set `name` and `schema` and implement
+    `wrap`; everything else has the behaviour of a plain replicated model as its default."""
+
+    name: ClassVar[str]
+    schema: ClassVar[type[StrategyConfig]]
+    # One process per rank with torch.distributed (spawned, or torchrun's); False: one process only.
+    uses_process_group: ClassVar[bool] = True
+
+    def settings(self, section: Any) -> C:
+        """The strategy's section of the config as its own dataclass. A key it does not have (forced
+        in with ++, or in a YAML of your own) is refused naming the strategies that do have it."""
+        try:
+            plain = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+            merged = OmegaConf.merge(OmegaConf.structured(self.schema), plain)
+            settings = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "key", None)
+            raise UserError(
+                " ".join(str(exc).splitlines()[0].split()),
+                setting=f"strategy.{key}" if key else "strategy",
+                fix=setting_hint(str(key)) if key else f"check the settings of strategy={self.name}",
+            ) from exc
+        return settings  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------- launch arithmetic
+
+    def devices_per_process(self, settings: C, *, device_type: str, host: HostFacts) -> int:
+        return 1
+
+    def default_nprocs(
+        self, settings: C, *, device_type: str, host: HostFacts, devices_per_process: int
+    ) -> int:
+        """Processes per node when dist.nprocs is not set: one per device group, 2 on a CPU host."""
+        if device_type == "cuda":
+            return max(host.cuda_devices // devices_per_process, 1)
+        return 2
+
+    def process_devices(
+        self, settings: C, *, device_type: str, local_rank: int, count: int
+    ) -> tuple[torch.device, ...]:
+        """The devices one process drives; batches go to the first."""
+        if device_type == "cuda":
+            return tuple(torch.device("cuda", local_rank * count + i) for i in range(count))
+        return tuple(torch.device("cpu") for _ in range(count))
+
+    # ------------------------------------------------------------------------- before launch
+
+    def check(self, settings: C, *, plan: Plan, host: HostFacts) -> None:
+        """Refuse what cannot work with this plan (a UserError naming the setting and the fix)."""
+
+    def check_model(self, model: nn.Module, settings: C) -> None:
+        """Refuse a model the strategy cannot handle; `model` lives on the meta device."""
+
+    # ------------------------------------------------------------------------- in each worker
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, settings: C, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+        """Put the model on this process's device(s) and wrap it for training."""
+
+    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+        return make(wrapped.base.parameters())
+
+    # ------------------------------------------------------------------------- checkpoints
+    # Called on every rank at the same point (a strategy may need a collective); rank 0 writes.
+
+    def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
+        return wrapped.base.state_dict()
+
+    def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
+        wrapped.base.load_state_dict(state)
+
+    def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
 
 
-def refuse_extras(cfg: DictConfig, name: str) -> None:
-    """Settings that belong to one strategy only must not be silently ignored by the others."""
-    if name not in ("ddp", "ddp_mp", "naive_allreduce") and cfg.strategy.get("bucket_cap_mb") is not None:
-        raise UserError(
-            f"bucket_cap_mb sizes gradient all-reduce buckets; strategy {name} has none",
-            setting="strategy.bucket_cap_mb",
-            fix="use it with ddp, ddp_mp or naive_allreduce",
-        )
-    ddp_only = {
-        "gradient_as_bucket_view": True,
-        "static_graph": False,
-        "broadcast_buffers": None,
-        "find_unused_parameters": False,
-    }
-    changed = [k for k, default in ddp_only.items() if cfg.strategy.get(k, default) != default]
-    if name not in ("ddp", "ddp_mp") and changed:
-        raise UserError(
-            f"{changed[0]} is a DistributedDataParallel setting; strategy {name} does not use DDP",
-            setting=f"strategy.{changed[0]}",
-            fix="use it with strategy=ddp or ddp_mp",
-        )
-    if name != "dp" and cfg.strategy.device_ids is not None:
-        raise UserError(
-            f"device_ids is a DataParallel setting; strategy {name} does not use it",
-            setting="strategy.device_ids",
-            fix="use strategy=dp, or select devices with CUDA_VISIBLE_DEVICES",
-        )
+_REGISTRY: dict[str, Strategy[Any]] = {}
+S = TypeVar("S", bound=type[Strategy[Any]])
 
 
-def maybe_sync_bn(model: nn.Module, cfg: DictConfig, device_type: str) -> nn.Module:
-    """Convert BatchNorm to synchronized BatchNorm when strategy.sync_bn is set (before wrapping)."""
-    if not cfg.strategy.sync_bn:
+def register(cls: S) -> S:
+    """Class decorator: make the strategy available by name, and its schema to Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    _REGISTRY[cls.name] = cls()
+    ConfigStore.instance().store(group="strategy", name=f"{cls.name}_schema", node=cls.schema)
+    return cls
+
+
+def load_builtins() -> None:
+    for name in BUILTIN:
+        importlib.import_module(f"{__name__}.{name}")
+
+
+def get(name: str, module: str | None = None) -> Strategy[Any]:
+    """The registered strategy `name`, importing `module` (or the built-in module) first if needed."""
+    if name not in _REGISTRY:
+        target = module or (f"{__name__}.{name}" if name in BUILTIN else None)
+        if target is not None:
+            try:
+                importlib.import_module(target)
+            except ImportError as exc:
+                raise UserError(
+                    f"cannot import {target} ({exc})",
+                    setting="strategy.module",
+                    fix="make the module importable from the directory you run in (or PYTHONPATH)",
+                ) from exc
+    if name not in _REGISTRY:
+        where = f"{module} does not register it" if module else "no module registers it"
+        raise UserError(
+            f"unknown strategy {name!r} ({where})",
+            setting="strategy",
+            fix=f"choose one of: {', '.join(sorted(_REGISTRY))}; for your own, decorate it with "
+            "ddpexp.strategies.register and set strategy.module",
+        )
+    return _REGISTRY[name]
+
+
+def resolve(section: Any) -> tuple[Strategy[Any], Any]:
+    """The strategy a config's `strategy` section names, and its settings under the strategy's schema."""
+    strategy = get(section["name"], section.get("module"))
+    return strategy, strategy.settings(section)
+
+
+def setting_hint(key: str) -> str:
+    """The fix for a strategy setting given to a strategy that does not have it."""
+    owners = sorted(n for n, s in _REGISTRY.items() if key in {f.name for f in fields(s.schema)})
+    if not owners:
+        return "python -m ddpexp --cfg job strategy=NAME lists a strategy's settings"
+    return f"strategy.{key} is a setting of " + ", ".join(f"strategy={n}" for n in owners)
+
+
+def maybe_sync_bn(model: nn.Module, enabled: bool, device_type: str) -> nn.Module:
+    """Convert BatchNorm to synchronized BatchNorm when asked (before wrapping)."""
+    if not enabled:
         return model
     from . import syncbn
 

@@ -6,41 +6,67 @@ On CPU every part sits on the CPU, so the same code path runs and is tested with
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import UserError
-from . import Wrapped, maybe_sync_bn, refuse_extras
-from .ddp import bucket_kwargs, measure
+from ..errors import UserError, require_positive
+from . import Strategy, Wrapped, maybe_sync_bn, register
+from .ddp import DdpConfig, ddp_kwargs, measure
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
     from ..context import RunContext
-    from ..validate import HostFacts
-
-USES_PROCESS_GROUP = True
+    from ..validate import HostFacts, Plan
 
 
-def devices_per_process(cfg: DictConfig, device_type: str, host: HostFacts) -> int:
-    return int(cfg.strategy.stages)
+@dataclass
+class DdpMpConfig(DdpConfig):
+    name: str = "ddp_mp"
+    # Devices each process owns; the model is split into this many consecutive parts, one per device.
+    stages: int = 2
 
 
-def check(cfg: DictConfig, device_type: str, host: HostFacts) -> None:
-    refuse_extras(cfg, "ddp_mp")
-    if cfg.strategy.stages < 1:
-        raise UserError(
-            f"must be at least 1, got {cfg.strategy.stages}",
-            setting="strategy.stages",
-            fix="use strategy.stages=2 (devices per process)",
+@register
+class DdpMp(Strategy[DdpMpConfig]):
+    name = "ddp_mp"
+    schema = DdpMpConfig
+
+    def devices_per_process(self, settings: DdpMpConfig, *, device_type: str, host: HostFacts) -> int:
+        require_positive({"strategy.stages": settings.stages})  # before any arithmetic divides by it
+        return settings.stages
+
+    def check(self, settings: DdpMpConfig, *, plan: Plan, host: HostFacts) -> None:
+        require_positive({}, {"strategy.bucket_cap_mb": settings.bucket_cap_mb})
+
+    def check_model(self, model: nn.Module, settings: DdpMpConfig) -> None:
+        n = len(model_stages(model))
+        if n < settings.stages:
+            raise UserError(
+                f"{type(model).__name__} splits into at most {n} stages, not {settings.stages}",
+                setting="strategy.stages",
+                fix=f"use strategy.stages<={n}",
+            )
+
+    def wrap(
+        self, model: nn.Module, settings: DdpMpConfig, *, ctx: RunContext, measure_comm: bool
+    ) -> Wrapped:
+        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type)
+        pipeline = Pipeline(group(model_stages(model), settings.stages), list(ctx.devices))
+        ddp = DistributedDataParallel(pipeline, **ddp_kwargs(settings))  # multi-device module: no device_ids
+        return Wrapped(
+            module=ddp,
+            base=model,
+            no_sync=ddp.no_sync,
+            eval_module=pipeline,
+            comm=measure(ddp) if measure_comm else None,
         )
 
 
-def check_model(model: nn.Module, cfg: DictConfig) -> None:
-    k = cfg.strategy.stages
+def model_stages(model: nn.Module) -> list[nn.Module]:
+    """The model's own split into consecutive stages (its `stages()` method), or a clear refusal."""
     stages = getattr(model, "stages", None)
     if not callable(stages):
         raise UserError(
@@ -48,13 +74,7 @@ def check_model(model: nn.Module, cfg: DictConfig) -> None:
             setting="strategy",
             fix="use a model that defines stages() (convnet, mlp), or strategy=ddp",
         )
-    n = len(stages())
-    if n < k:
-        raise UserError(
-            f"{type(model).__name__} splits into at most {n} stages, not {k}",
-            setting="strategy.stages",
-            fix=f"use strategy.stages<={n}",
-        )
+    return list(stages())
 
 
 class Pipeline(nn.Module):
@@ -85,11 +105,3 @@ def group(stages: list[nn.Module], k: int) -> list[nn.Module]:
             bounds.append(i + 1)
     edges = [0, *bounds, len(stages)]
     return [nn.Sequential(*stages[a:b]) for a, b in itertools.pairwise(edges)]
-
-
-def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
-    model = maybe_sync_bn(model, cfg, ctx.device.type)
-    parts = group(list(model.stages()), cfg.strategy.stages)  # type: ignore[operator]
-    pipeline = Pipeline(parts, list(ctx.devices))
-    ddp = DistributedDataParallel(pipeline, **bucket_kwargs(cfg))  # multi-device module: no device_ids
-    return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, eval_module=pipeline, comm=measure(ddp, cfg))

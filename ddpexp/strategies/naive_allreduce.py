@@ -8,42 +8,68 @@ sync_bn, or without BatchNorm, there is nothing that could drift.)"""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from . import Wrapped, maybe_sync_bn, refuse_extras
+from ..config import StrategyConfig
+from ..errors import require_positive
+from . import Strategy, Wrapped, maybe_sync_bn, register
 from .comm import CommMeter
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
     from torch import nn
 
     from ..context import RunContext
-    from ..validate import HostFacts
-
-USES_PROCESS_GROUP = True
+    from ..validate import HostFacts, Plan
 
 
-def devices_per_process(cfg: DictConfig, device_type: str, host: HostFacts) -> int:
-    return 1
+@dataclass
+class NaiveAllreduceConfig(StrategyConfig):
+    name: str = "naive_allreduce"
+    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch).
+    sync_bn: bool = False
+    # None: one all_reduce per parameter; a size in MB: gradients flattened into buckets of that size.
+    bucket_cap_mb: float | None = None
 
 
-def check(cfg: DictConfig, device_type: str, host: HostFacts) -> None:
-    refuse_extras(cfg, "naive_allreduce")
+@register
+class NaiveAllreduce(Strategy[NaiveAllreduceConfig]):
+    name = "naive_allreduce"
+    schema = NaiveAllreduceConfig
+
+    def check(self, settings: NaiveAllreduceConfig, *, plan: Plan, host: HostFacts) -> None:
+        require_positive({}, {"strategy.bucket_cap_mb": settings.bucket_cap_mb})
+
+    def wrap(
+        self, model: nn.Module, settings: NaiveAllreduceConfig, *, ctx: RunContext, measure_comm: bool
+    ) -> Wrapped:
+        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type).to(ctx.device)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        meter = CommMeter() if measure_comm else None
+        return Wrapped(
+            module=model,
+            base=model,
+            sync_grads=averager(params, buckets(params, settings.bucket_cap_mb), meter, ctx.device),
+            comm=meter,
+        )
 
 
-def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
-    model = maybe_sync_bn(model, cfg, ctx.device.type).to(ctx.device)
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t, src=0)
-    params = [p for p in model.parameters() if p.requires_grad]
+def averager(
+    params: list[torch.nn.Parameter],
+    groups: list[list[torch.nn.Parameter]],
+    meter: CommMeter | None,
+    device: torch.device,
+) -> Callable[[], None]:
+    """The step's gradient averaging: one all_reduce per group, one after the other, after backward."""
     world = dist.get_world_size()
-    groups = buckets(params, cfg.strategy.bucket_cap_mb)
-    meter = CommMeter() if cfg.trainer.measure_comm else None
-    cuda = ctx.device.type == "cuda"
+    cuda = device.type == "cuda"
 
     def sync_grads() -> None:
         for p in params:
@@ -76,7 +102,7 @@ def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
                 torch.cuda.synchronize()
             meter.record(start, time.perf_counter(), nbytes)
 
-    return Wrapped(module=model, base=model, sync_grads=sync_grads, comm=meter)
+    return sync_grads
 
 
 def buckets(params: list[torch.nn.Parameter], cap_mb: float | None) -> list[list[torch.nn.Parameter]]:

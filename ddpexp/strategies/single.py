@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import Wrapped, refuse_extras, refuse_sync_bn
+from ..config import StrategyConfig
+from . import Strategy, Wrapped, register
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
     from torch import nn
 
     from ..context import RunContext
-    from ..validate import HostFacts
-
-USES_PROCESS_GROUP = False
 
 
-def devices_per_process(cfg: DictConfig, device_type: str, host: HostFacts) -> int:
-    return 1
+@dataclass
+class SingleConfig(StrategyConfig):
+    name: str = "single"
 
 
-def check(cfg: DictConfig, device_type: str, host: HostFacts) -> None:
-    refuse_sync_bn(cfg, "single")
-    refuse_extras(cfg, "single")
+@register
+class Single(Strategy[SingleConfig]):
+    name = "single"
+    schema = SingleConfig
+    uses_process_group = False
 
-
-def wrap(model: nn.Module, *, ctx: RunContext, cfg: DictConfig) -> Wrapped:
-    model = model.to(ctx.device)
-    return Wrapped(module=model, base=model)
+    def wrap(
+        self, model: nn.Module, settings: SingleConfig, *, ctx: RunContext, measure_comm: bool
+    ) -> Wrapped:
+        model = model.to(ctx.device)
+        return Wrapped(module=model, base=model)
