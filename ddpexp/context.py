@@ -1,15 +1,29 @@
-"""Runtime facts of one worker: who am I, on which device, writing where. Never part of the config."""
+"""Runtime facts of one worker: who am I, on which devices, writing where, since when. Never config.
+
+This is the one place (with the launcher) that reads the process environment: the rest of the code
+gets these facts from the context it is handed.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .validate import Plan
+
+if TYPE_CHECKING:
+    from .job import Job
+
+# Set by the launcher for the workers it starts.
+TTY_ENV = "DDPEXP_TTY"
+ATTEMPT_ENV = "DDPEXP_ATTEMPT"
+FAULT_ENV = "DDPEXP_FAULT"
 
 
 @dataclass(frozen=True)
@@ -21,6 +35,9 @@ class RunContext:
     run_dir: Path
     plan: Plan
     attempt: int = 0  # 0 for the first start; n after n automatic restarts (ddpexp's or torchrun's)
+    job_started_at: float = 0.0  # when this job started (epoch seconds): time to first step counts from it
+    console_is_tty: bool = False  # whether the user's console is a terminal (progress bars)
+    fault: str | None = None  # DDPEXP_FAULT: a failure to inject, for tests (ddpexp/faults.py)
 
     @property
     def device(self) -> torch.device:
@@ -32,30 +49,38 @@ class RunContext:
         return self.rank == 0
 
     @classmethod
-    def for_process(cls, plan: Plan, run_dir: Path, env: Mapping[str, str] | None = None) -> RunContext:
+    def in_this_process(cls, job: Job) -> RunContext:
+        """Rank 0 of 1 in the launching process itself, whatever RANK/WORLD_SIZE it inherited."""
+        return cls.for_process(job, env={k: v for k, v in os.environ.items() if k in (FAULT_ENV, TTY_ENV)})
+
+    @classmethod
+    def for_process(cls, job: Job, env: Mapping[str, str] | None = None) -> RunContext:
         """Build the context from the torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE).
 
         Self-launched workers get the same variables from ddpexp's launcher, so both paths agree.
         In-process runs have none of them set and are rank 0 of 1.
         """
+        from . import strategies
+
         env = os.environ if env is None else env
-        rank = int(env.get("RANK", 0))
         local_rank = int(env.get("LOCAL_RANK", 0))
-        world = int(env.get("WORLD_SIZE", 1))
-        k = plan.devices_per_process
-        if plan.device_ids is not None:
-            devices = tuple(torch.device("cuda", i) for i in plan.device_ids)
-        elif plan.device_type == "cuda":
-            devices = tuple(torch.device("cuda", local_rank * k + i) for i in range(k))
-        else:
-            devices = tuple(torch.device("cpu") for _ in range(k))
-        attempt = int(env.get("DDPEXP_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        return cls(
-            rank=rank,
+        strategy, settings = strategies.resolve(job.cfg.strategy)
+        devices = strategy.process_devices(
+            settings,
+            device_type=job.plan.device_type,
             local_rank=local_rank,
-            world_size=world,
+            count=job.plan.devices_per_process,
+        )
+        tty = env[TTY_ENV] == "1" if TTY_ENV in env else sys.stdout.isatty()
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=local_rank,
+            world_size=int(env.get("WORLD_SIZE", 1)),
             devices=devices,
-            run_dir=run_dir,
-            plan=plan,
-            attempt=attempt,
+            run_dir=job.run_dir,
+            plan=job.plan,
+            attempt=int(env.get(ATTEMPT_ENV) or env.get("TORCHELASTIC_RESTART_COUNT") or 0),
+            job_started_at=job.started_at,
+            console_is_tty=tty,
+            fault=env.get(FAULT_ENV),
         )

@@ -6,8 +6,9 @@
                                             checkpoint (needs a checkpoint at that step)
 
 A fault fires in the first attempt only, so a run with dist.max_restarts (or torchrun --max-restarts)
-shows the recovery. It is read from the environment, never from the config: a fault cannot end up in
-a saved config, a sweep, or a colleague's rerun. Pre-flight refuses a malformed one.
+shows the recovery. It comes from the environment (read by pre-flight and RunContext), never from the
+config: a fault cannot end up in a saved config, a sweep, or a colleague's rerun. Pre-flight refuses
+a malformed one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import os
 import re
 import signal
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -67,9 +67,8 @@ def parse(spec: str) -> Fault:
     return Fault(rank=int(m.group(1)), step=int(m.group(2)), action=m.group(3))
 
 
-def check(world_size: int, env: Mapping[str, str] | None = None) -> None:
+def check(world_size: int, spec: str | None) -> None:
     """Pre-flight: a fault that is malformed or can never fire is an error, not a silent no-op."""
-    spec = (os.environ if env is None else env).get(ENV)
     if not spec:
         return
     fault = parse(spec)
@@ -80,9 +79,8 @@ def check(world_size: int, env: Mapping[str, str] | None = None) -> None:
         )
 
 
-def for_process(rank: int, attempt: int) -> Fault | None:
+def for_process(spec: str | None, *, rank: int, attempt: int) -> Fault | None:
     """The fault this process must inject, if any: its rank is named and this is the first attempt."""
-    spec = os.environ.get(ENV)
     if not spec or attempt > 0:
         return None
     fault = parse(spec)

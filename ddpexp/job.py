@@ -42,6 +42,7 @@ class Job:
     plan: Plan
     run_dir: Path
     choices: dict[str, str] = field(default_factory=dict)  # config-group options picked, e.g. model=convnet
+    started_at: float = 0.0  # when this job started (epoch seconds): its clock for time-to-first-step
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -49,7 +50,12 @@ class Job:
             "plan": self.plan.to_dict(),
             "run_dir": str(self.run_dir),
             "choices": self.choices,
+            "started_at": self.started_at,
         }
+
+    def summary(self) -> dict[str, Any]:
+        """What metrics.json says about the run before (or without) rank 0 writing its facts."""
+        return {**self.plan.to_dict(), **self.choices}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Job:
@@ -58,6 +64,7 @@ class Job:
             plan=Plan.from_dict(d["plan"]),
             run_dir=Path(d["run_dir"]),
             choices=d["choices"],
+            started_at=d.get("started_at", 0.0),
         )
 
     def save(self) -> None:
@@ -65,7 +72,8 @@ class Job:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(d["config"])))
         atomic_write_text(
-            self.run_dir / PLAN_FILE, json.dumps({"plan": d["plan"], "choices": d["choices"]}, indent=2)
+            self.run_dir / PLAN_FILE,
+            json.dumps({k: d[k] for k in ("plan", "choices", "started_at")}, indent=2),
         )
 
     @classmethod

@@ -1,0 +1,44 @@
+"""Launching a job: in this process, as N supervised worker processes, or as a torchrun worker.
+
+rendezvous   free ports, the port check, init URLs (all pre-flight needs of the launcher)
+spawn        start one worker per rank on this node, restart the group after a failure
+supervise    watch the workers, stop them all on a failure or a signal, blame the right rank
+torchrun     rank 0 composes and publishes the job in torchrun's store; the other ranks read it
+worker       one worker process from start to exit code
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..job import Job
+
+
+def run(job: Job) -> int:
+    """Run one job to its exit code, the way its plan says."""
+    if job.plan.launcher == "torchrun":
+        from .torchrun import lead
+
+        return lead(job)
+    if job.plan.launcher == "spawn":
+        from .spawn import spawn
+
+        return spawn(job)
+    return run_inprocess(job)
+
+
+def run_inprocess(job: Job) -> int:
+    from ..context import RunContext
+    from .supervise import error_file, sigterm_raises
+    from .worker import execute, run_guarded
+
+    ctx = RunContext.in_this_process(job)
+    with sigterm_raises():
+        code = run_guarded(lambda: execute(job, ctx), ctx)
+    path = error_file(job.run_dir, 0)
+    if code not in (0, 130, 143) and path.exists():
+        record = json.loads(path.read_text())
+        if not record["user_error"]:
+            print(f"ddpexp: the run failed: {record['type']}: {record['message']}", file=sys.stderr)
+    return code

@@ -1,0 +1,175 @@
+"""Self-launch: start one worker process per rank on this node and supervise them; after a failure,
+restart the group up to dist.max_restarts times.
+
+Workers are forked from a multiprocessing forkserver that has imported torch and ddpexp once
+(dist.start_method=forkserver, the default): each worker then starts in a fraction of a second instead
+of importing torch again (~2.6 s per process, and once per sweep instead of once per job). The server
+only imports modules, it never runs torch ops or threads, so forking it is safe; `spawn` starts a
+fresh interpreter per worker instead. Either way each worker:
+- runs in its own session, so it can be stopped together with its DataLoader children;
+- gets the launcher's current environment, working directory and sys.path, plus its rank's variables;
+- writes stdout and stderr to logs/rank<N>.log (rank 0's stdout also reaches the console);
+- dies with the launcher even if the launcher is SIGKILLed (see worker.exit_with_parent).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import StartMethod
+from ..context import ATTEMPT_ENV, TTY_ENV
+from ..errors import UserError
+from ..job import Job
+from . import rendezvous
+from .supervise import Supervisor, Worker
+
+RUN_DIR_ENV = "DDPEXP_RUN_DIR"
+PARENT_PID_ENV = "DDPEXP_PARENT_PID"
+INIT_URL_ENV = "DDPEXP_INIT_URL"
+# What the forkserver imports before forking workers: everything a worker needs before it trains.
+PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard"]
+
+
+def context(method: StartMethod) -> Any:
+    """The multiprocessing context workers start from (one forkserver per launcher process)."""
+    ctx = multiprocessing.get_context(StartMethod(method).value)
+    if StartMethod(method) == StartMethod.forkserver:
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def prewarm(method: StartMethod) -> None:
+    """Start the forkserver now, so that it imports torch while the launcher does its own work."""
+    if StartMethod(method) == StartMethod.forkserver:
+        from multiprocessing import forkserver
+
+        context(method)
+        forkserver.ensure_running()
+
+
+def spawn(job: Job) -> int:
+    """Start the workers and supervise them; after a failure, restart them up to dist.max_restarts
+    times (each attempt resumes from the run's newest valid checkpoint, see resume.find_checkpoint)."""
+    restarts = job.cfg.dist.max_restarts
+    attempt = 0
+    while True:
+        code = _spawn_attempt(job, attempt)
+        if code in (0, UserError.exit_code, 130, 143) or attempt == restarts:
+            return code
+        attempt += 1
+        print(
+            f"ddpexp: restarting the workers ({attempt} of {restarts} restarts) from the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        _archive_errors(job.run_dir, attempt - 1)
+
+
+def _spawn_attempt(job: Job, attempt: int) -> int:
+    cfg = job.cfg
+    addr = cfg.dist.master_addr
+    port = cfg.dist.master_port or rendezvous.free_port(addr)
+    if cfg.dist.master_port and not rendezvous.port_is_free(addr, port):
+        raise UserError(
+            f"port {port} is already in use",
+            setting="dist.master_port",
+            fix="pick another port or leave it unset",
+        )
+    logs = job.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rendezvous_file = rendezvous.init_file(cfg.dist, job.run_dir)
+    url = rendezvous.init_url(job.plan.init, addr=addr, port=port, rendezvous_file=rendezvous_file)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(job.plan.world_size),
+        "LOCAL_WORLD_SIZE": str(job.plan.nprocs_per_node),
+        RUN_DIR_ENV: str(job.run_dir),
+        PARENT_PID_ENV: str(os.getpid()),
+        INIT_URL_ENV: url,
+        ATTEMPT_ENV: str(attempt),
+        TTY_ENV: "1" if sys.stdout.isatty() else "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    ctx = context(cfg.dist.start_method)
+    try:
+        workers = [_start_worker(ctx, rank, env, logs) for rank in range(job.plan.world_size)]
+        return Supervisor(job.run_dir, workers, facts=job.summary()).wait()
+    finally:
+        if job.plan.init == "file":
+            rendezvous_file.unlink(missing_ok=True)
+
+
+def _archive_errors(run_dir: Path, attempt: int) -> None:
+    """A failed attempt's error records move aside, so the next attempt's root cause is its own."""
+    for path in (run_dir / "logs").glob("rank*.error.json"):
+        path.rename(path.with_name(path.name.replace(".error.json", f".attempt{attempt}.error.json")))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a forked or spawned worker process receives (pickled): everything else it reads from the
+    run directory and its environment, as a worker started any other way would."""
+
+    rank: int
+    env: dict[str, str]
+    log_path: str
+    console: Any  # rank 0: the write end of a pipe to the launcher's console; None for the others
+
+
+def _start_worker(ctx: Any, rank: int, common: dict[str, str], logs: Path) -> Worker:
+    env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    log_path = logs / f"rank{rank}.log"
+    reader, writer = ctx.Pipe(duplex=False) if rank == 0 else (None, None)
+    from .worker import forked_main
+
+    proc = ctx.Process(
+        target=forked_main,
+        args=(WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer),),
+        name=f"ddpexp-rank{rank}",
+        daemon=False,
+    )
+    proc.start()
+    tee = None
+    if reader is not None and writer is not None:
+        writer.close()  # the worker holds its own copy; the pipe ends when the worker does
+        tee = threading.Thread(target=_tee, args=(reader, log_path), name=f"tee-rank{rank}", daemon=True)
+        tee.start()
+    return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee)
+
+
+class _Proc:
+    """A multiprocessing.Process seen through the few members of subprocess.Popen the supervisor uses."""
+
+    def __init__(self, proc: Any) -> None:
+        self._proc = proc
+        self.pid: int = proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode  # None while running; -N if killed by signal N, like Popen
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+
+def _tee(reader: Any, log_path: Path) -> None:
+    """Rank 0's console output: to the user's terminal and to its log file, as it comes."""
+    out = getattr(sys.stdout, "buffer", None)
+    with open(log_path, "ab") as log_file:
+        while chunk := os.read(reader.fileno(), 65536):
+            log_file.write(chunk)
+            log_file.flush()
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:
+                sys.stdout.write(chunk.decode(errors="replace"))
+    reader.close()

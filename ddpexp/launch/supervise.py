@@ -1,0 +1,189 @@
+"""Watching worker processes, and the one SIGTERM helper every kind of process uses.
+
+Supervision is what keeps a distributed run from hanging or leaking processes:
+- a worker that fails (exception or signal) gets the others stopped at once, and the user sees the
+  failing rank's own error first, not the echoes it caused in the other ranks;
+- Ctrl-C / SIGTERM to the launcher stops every worker (SIGTERM, then SIGKILL after a grace period)
+  and exits 130 / 143.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Protocol
+
+from ..errors import UserError
+from ..recorder import finish_metrics
+
+POLL_S = 0.05
+GRACE_S = 5.0
+
+
+class Interrupted(Exception):
+    """Raised in the main thread when the process is asked to stop (SIGTERM)."""
+
+    interrupted = True
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"stopped by signal (exit {code})")
+        self.code = code
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block SIGTERM raises `Interrupted` in the main thread, so the run unwinds through its
+    `finally` blocks and records itself as interrupted; the previous handler comes back afterwards."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def error_file(run_dir: Path, rank: int) -> Path:
+    """Where a worker leaves the record of the exception that ended it (read by the supervisor)."""
+    return run_dir / "logs" / f"rank{rank}.error.json"
+
+
+class Child(Protocol):
+    """The members of a child process the supervisor uses (subprocess.Popen has them too)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+
+@dataclass
+class Worker:
+    rank: int
+    proc: Child
+    log_path: Path
+    exit_time: float | None = None
+    tee: threading.Thread | None = None  # copies rank 0's output to the console as it comes
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, workers: list[Worker], facts: dict[str, object]) -> None:
+        self.run_dir = run_dir
+        self.workers = workers
+        self.facts = facts  # what metrics.json says about the run if rank 0 never wrote it
+        self.signal_received: int | None = None
+        self.stopping_since: float | None = None
+
+    def wait(self) -> int:
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._loop()
+        finally:
+            self._kill_all(signal.SIGKILL)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            for w in self.workers:  # the last lines a worker printed reach the console before we go on
+                if w.tee is not None:
+                    w.tee.join(timeout=GRACE_S)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_received is not None:  # second Ctrl-C: no more grace
+            self._kill_all(signal.SIGKILL)
+        self.signal_received = signum
+
+    def _loop(self) -> int:
+        failed: Worker | None = None
+        while True:
+            now = time.time()
+            for w in self.workers:
+                if w.exit_time is None and w.proc.poll() is not None:
+                    w.exit_time = now
+                    if w.proc.returncode != 0 and failed is None and self.signal_received is None:
+                        failed = w
+            running = [w for w in self.workers if w.exit_time is None]
+            if not running:
+                break
+            if (failed is not None or self.signal_received is not None) and self.stopping_since is None:
+                self.stopping_since = now
+                self._kill_all(signal.SIGTERM)
+            if self.stopping_since is not None and now - self.stopping_since > GRACE_S:
+                self._kill_all(signal.SIGKILL)
+            time.sleep(POLL_S)
+        if self.signal_received is not None:
+            name = signal.Signals(self.signal_received).name
+            finish_metrics(self.run_dir, "interrupted", f"stopped by signal {name}", facts=self.facts)
+            return 128 + self.signal_received
+        if failed is None:
+            return 0
+        return self._report_failure()
+
+    def _kill_all(self, sig: int) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, sig)
+
+    def _report_failure(self) -> int:
+        rank, summary, detail, user_error = self._root_cause()
+        world = len(self.workers)
+        if user_error:
+            print(f"ddpexp: error: {summary}", file=sys.stderr)
+        else:
+            print(f"ddpexp: rank {rank} of {world} failed: {summary}", file=sys.stderr)
+            if detail:
+                print(detail.rstrip(), file=sys.stderr)
+            logs = self.run_dir / "logs"
+            print(f"ddpexp: the other ranks were stopped; every rank's log is in {logs}", file=sys.stderr)
+        finish_metrics(self.run_dir, "failed", f"rank {rank}: {summary}", facts=self.facts)
+        return UserError.exit_code if user_error else 1
+
+    def _root_cause(self) -> tuple[int, str, str, bool]:
+        """Which rank failed first. A rank killed by a signal nobody here sent is the cause (its peers
+        only see it as a broken connection); otherwise the earliest error record wins. Ranks that died
+        after the supervisor began stopping them were killed by it (a rank already on its way out when
+        the SIGTERM came dies of it), so they are never the cause."""
+        stop = self.stopping_since if self.stopping_since is not None else float("inf")
+        by_signal = [
+            w
+            for w in self.workers
+            if w.proc.returncode is not None and w.proc.returncode < 0 and (w.exit_time or 0.0) <= stop
+        ]
+        if by_signal:
+            w = min(by_signal, key=lambda w: w.exit_time or 0.0)
+            name = signal.Signals(-(w.proc.returncode or 0)).name
+            return w.rank, f"killed by {name}", tail(w.log_path), False
+        records = []
+        for w in self.workers:
+            path = error_file(self.run_dir, w.rank)
+            if path.exists():
+                records.append(json.loads(path.read_text()))
+        if records:
+            r = min(records, key=lambda r: r["time"])
+            return (
+                r["rank"],
+                f"{r['type']}: {r['message']}" if not r["user_error"] else r["message"],
+                r["traceback"],
+                r["user_error"],
+            )
+        w = min((w for w in self.workers if w.proc.returncode), key=lambda w: w.exit_time or 0.0)
+        return w.rank, f"exited with code {w.proc.returncode}", tail(w.log_path), False
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,103 @@
+"""Running as a worker of torchrun (or another torch launcher that sets RANK, WORLD_SIZE, ...).
+
+Only global rank 0 composes the config and creates the run directory ("leader"); it hands the resolved
+job to every other rank ("followers") through torchrun's rendezvous store, so there is one composition
+and one run directory however many ranks and nodes there are. torchrun keeps its store across
+--max-restarts, so a restarted rank 0 takes the job it already published and the run continues.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from ..context import RunContext
+from ..errors import UserError
+from ..job import Job
+from .supervise import sigterm_raises
+
+JOB_KEY = "ddpexp/job"
+STORE_TIMEOUT_S = 900.0
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank when torchrun (or another torch launcher) started it, else None."""
+    env = os.environ if env is None else env
+    if all(k in env for k in _REQUIRED):
+        return int(env["RANK"])
+    return None
+
+
+def world(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """(world size, processes on this node) as the external launcher decided, or None."""
+    env = os.environ if env is None else env
+    if rank(env) is None:
+        return None
+    return int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+
+
+def is_follower() -> bool:
+    """Ranks other than 0, and a rank 0 restarted by torchrun after it published its job: they take
+    the job from the store instead of composing one."""
+    r = rank()
+    if r is None:
+        return False
+    if r != 0:
+        return True
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and bool(_store().check([JOB_KEY]))
+
+
+@functools.cache
+def _store() -> Any:
+    import torch.distributed as dist
+
+    r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(
+        dist.rendezvous("env://", rank=r, world_size=w, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    )
+    return store
+
+
+def _pg_store(store: Any) -> Any:
+    """The process group's keys, fresh for every torchrun restart (torchrun keeps its store across them)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def publish_error(exc: UserError) -> None:
+    """Rank 0 refused the job: tell the followers, so they exit instead of waiting for a job."""
+    _store().set(JOB_KEY, json.dumps({"error": str(exc)}))
+
+
+def lead(job: Job) -> int:
+    """Rank 0 under torchrun: hand the job to the other ranks, then train as rank 0."""
+    from .worker import configure_process, execute, run_guarded
+
+    with sigterm_raises():
+        store = _store()
+        store.set(JOB_KEY, json.dumps(job.to_dict()))
+        ctx = RunContext.for_process(job)
+        configure_process(ctx, console=True)
+        return run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx)
+
+
+def follow() -> int:
+    """Ranks other than 0 under torchrun: wait for rank 0's resolved job (never call Hydra)."""
+    from .worker import configure_process, execute, run_guarded
+
+    with sigterm_raises():
+        store = _store()
+        store.wait([JOB_KEY], timedelta(seconds=STORE_TIMEOUT_S))
+        payload = json.loads(store.get(JOB_KEY))
+        if "error" in payload:
+            return UserError.exit_code  # rank 0 printed the reason
+        job = Job.from_dict(payload)
+        ctx = RunContext.for_process(job)
+        configure_process(ctx, console=ctx.is_main)
+        return run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx)

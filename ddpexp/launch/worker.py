@@ -1,0 +1,211 @@
+"""One worker process from start to exit code.
+
+Self-launched workers start in `forked_main` (forked from the launcher's forkserver, or spawned; the
+run directory in DDPEXP_RUN_DIR); torchrun workers and in-process runs enter through
+`execute`/`run_guarded`. A worker never calls Hydra and never reads the user's command line: its job
+comes from the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..context import RunContext
+from ..errors import UserError
+from ..fsutil import atomic_write_text
+from ..job import Job
+from .spawn import INIT_URL_ENV, PARENT_PID_ENV, RUN_DIR_ENV, WorkerSpec
+from .supervise import Interrupted, error_file, sigterm_raises
+
+log = logging.getLogger(__name__)
+
+
+def execute(job: Job, ctx: RunContext, *, url: str | None = None, store: Any = None) -> dict[str, float]:
+    """Join the process group (if the strategy has one), train, leave the group."""
+    from .. import distributed, train
+
+    if job.plan.backend is not None:
+        distributed.start(ctx, url=url or "env://", timeout_s=job.cfg.dist.timeout_s, store=store)
+    try:
+        result = train.run(job, ctx)
+        distributed.finish()
+        return result
+    finally:
+        distributed.stop()
+
+
+def run_guarded(fn: Callable[[], object], ctx: RunContext) -> int:
+    """Run `fn` and turn its outcome into an exit code; failures leave an error file for the launcher."""
+    try:
+        fn()
+        return 0
+    except Interrupted as exc:
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except UserError as exc:
+        _write_error(ctx, exc, user_error=True)
+        log.error("ddpexp: error: %s", exc)
+        return UserError.exit_code
+    except BaseException as exc:
+        _write_error(ctx, exc, user_error=False)
+        traceback.print_exc()
+        return 1
+
+
+def _write_error(ctx: RunContext, exc: BaseException, *, user_error: bool) -> None:
+    record = {
+        "rank": ctx.rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "user_error": user_error,
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    # A run dir that cannot be written must not hide the original error.
+    with contextlib.suppress(OSError):
+        atomic_write_text(error_file(ctx.run_dir, ctx.rank), json.dumps(record, indent=2))
+
+
+def configure_process(ctx: RunContext, *, console: bool) -> None:
+    """Logging, CPU threads and the process name (`ps` and `top` show ddpexp-rank<N>) of a worker."""
+    set_process_name(f"ddpexp-rank{ctx.rank}")
+    handler = logging.StreamHandler(sys.stdout if console else sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(message)s" if console else "%(asctime)s rank%(rank)s %(name)s: %(message)s")
+    )
+    handler.addFilter(_RankFilter(ctx.rank))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # Ranks on one node share its cores; oversubscribing them slows every rank down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.plan.nprocs_per_node))
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def set_process_name(name: str) -> None:
+    if sys.platform.startswith("linux"):
+        pr_set_name = 15
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+
+
+def exit_with_parent(launcher_pid: int) -> None:
+    """Never outlive the launcher: if it dies (even by SIGKILL), this worker dies too. The worker's
+    parent is the launcher (spawned) or its forkserver, which exits the moment the launcher does."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+    def orphaned() -> bool:
+        return os.getppid() != parent or not _alive(launcher_pid)
+
+    if orphaned():  # the launcher died before we got here
+        os._exit(1)
+
+    def watch() -> None:  # portable fallback, and a second line of defence
+        while True:
+            time.sleep(0.5)
+            if orphaned():
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ddpexp-parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs: a dead launcher its own parent has not reaped yet (a zombie) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] != "Z"
+    return True
+
+
+def _release_forkserver() -> None:
+    """A forked worker inherits the write end of the pipe by which the forkserver learns that the
+    launcher is gone; holding it would keep the server alive, and the server is the parent this
+    worker watches, so neither would ever exit after a SIGKILLed launcher."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def forked_main(spec: WorkerSpec) -> None:
+    """A self-launched worker, in the process the launcher's multiprocessing context started: take the
+    launcher's environment and the rank's log, then run as any worker does."""
+    os.setsid()  # its own session: stopped with its DataLoader children, out of the terminal's Ctrl-C
+    set_process_name(f"ddpexp-rank{spec.rank}")
+    _release_forkserver()
+    log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.dup2(spec.console.fileno() if spec.console is not None else log_fd, 1)
+    os.dup2(log_fd, 2)
+    for fd in (log_fd, null_fd):
+        os.close(fd)
+    if spec.console is not None:
+        spec.console.close()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    os.environ.clear()
+    os.environ.update(spec.env)
+    main()
+
+
+def main() -> None:
+    run_dir = Path(os.environ[RUN_DIR_ENV])
+    exit_with_parent(int(os.environ[PARENT_PID_ENV]))
+    with sigterm_raises():
+        job = Job.load(run_dir)
+        ctx = RunContext.for_process(job)
+        configure_process(ctx, console=ctx.is_main)
+        url = os.environ.get(INIT_URL_ENV, "env://")
+        code = run_guarded(lambda: execute(job, ctx, url=url), ctx)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave without the interpreter's teardown, which takes ~0.9 s once torch is loaded.
+    Everything the run writes is written and closed by now (multiprocessing ends its children the
+    same way)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
