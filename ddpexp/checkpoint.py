@@ -1,4 +1,5 @@
-"""Checkpoints: what they hold, how they are written (atomically, by rank 0), found and loaded.
+"""Checkpoint files: their format, how they are written (atomically, by rank 0), found and loaded.
+(What goes into one and when: resume.py.)
 
 A checkpoint is a plain dictionary of tensors and containers, loadable with
 `torch.load(path, weights_only=True)`:
@@ -92,11 +93,13 @@ def step_file(run_dir: Path, step: int) -> Path:
 class Checkpointer:
     """Rank 0's checkpoint files. `save` is atomic per file; pruning happens only after success."""
 
-    def __init__(self, run_dir: Path, *, keep_last_k: int) -> None:
+    def __init__(
+        self, run_dir: Path, *, keep_last_k: int, while_saving: Callable[[int], None] | None = None
+    ) -> None:
         self.dir = run_dir / DIR
         self.run_dir = run_dir
         self.keep_last_k = keep_last_k
-        self.while_saving: Callable[[int], None] | None = None  # fault injection (ddpexp.faults)
+        self.while_saving = while_saving  # fault injection (ddpexp.faults), called mid-write
         # A process killed mid-save leaves its temporary file behind; nothing reads it, so clear it.
         for leftover in self.dir.glob(".*.tmp") if self.dir.is_dir() else []:
             leftover.unlink(missing_ok=True)
@@ -104,13 +107,28 @@ class Checkpointer:
     def save(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         data = serialize(state)
+        path = None
         if periodic:
             path = step_file(self.run_dir, state["step"])
             self._write(path, data, state["step"])
             self._point_last_at(path)
-            self._prune()
-        if best:
+        if best and not (path is not None and self._link(path, self.dir / "best.pt")):
             self._write(self.dir / "best.pt", data, state["step"])
+        if periodic:
+            self._prune()  # after best.pt took its own link to the data, if it shares the step file's
+
+    def _link(self, source: Path, target: Path) -> bool:
+        """Make `target` a second name of `source`'s bytes (one write for the step's checkpoint and
+        best.pt alike), atomically; False where the filesystem has no hard links."""
+        tmp = target.with_name(f".{target.name}.link.tmp")
+        try:
+            tmp.unlink(missing_ok=True)
+            os.link(source, tmp)
+            os.replace(tmp, target)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+        return True
 
     def _write(self, path: Path, data: bytes, step: int) -> None:
         hook = self.while_saving

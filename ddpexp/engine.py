@@ -13,24 +13,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .config import Precision
 from .data.loaders import Loader
 from .recorder import NullRecorder
 from .strategies import Wrapped
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from .validate import Plan
+
 log = logging.getLogger(__name__)
 
 FOLD_EVERY = 64  # losses kept before folding them into the sums (bounds the list on long log intervals)
-AUTOCAST = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST = {Precision.fp32: None, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
 @dataclass
@@ -42,12 +47,36 @@ class LoopSettings:
     global_batch: int
     eval_every_steps: int | None = None
     accumulate: int = 1
-    precision: str = "32"
+    precision: Precision = Precision.fp32
     clip_grad_norm: float | None = None
     channels_last: bool = False
     checkpoint_every_epochs: int | None = None
     checkpoint_every_steps: int | None = None
     devices: int = 1  # devices training in parallel (per-device throughput)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: Plan) -> LoopSettings:
+        t, c = cfg.trainer, cfg.checkpoint
+        return cls(
+            epochs=t.epochs,
+            max_steps=t.max_steps,
+            log_every_steps=t.log_every_steps,
+            eval_every_epochs=t.eval_every_epochs,
+            global_batch=plan.global_batch,
+            eval_every_steps=t.eval_every_steps,
+            accumulate=t.accumulate,
+            precision=Precision(t.precision),
+            clip_grad_norm=t.clip_grad_norm,
+            channels_last=t.channels_last,
+            checkpoint_every_epochs=c.every_epochs,
+            checkpoint_every_steps=c.every_steps,
+            devices=plan.devices,
+        )
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Optimizer steps the run will take: all epochs, or fewer with max_steps."""
+        planned = steps_per_epoch * self.epochs
+        return planned if self.max_steps is None else min(planned, self.max_steps)
 
 
 @dataclass
@@ -72,9 +101,9 @@ class Engine:
         settings: LoopSettings,
         device: torch.device,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        scaler: torch.amp.GradScaler | None = None,
         on_checkpoint: Callable[[Position, dict[str, float], bool], None] | None = None,
         on_step: Callable[[int], None] | None = None,
+        started_at: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -84,10 +113,12 @@ class Engine:
         self.s = settings
         self.device = device
         self.scheduler = scheduler
-        self.scaler = scaler
+        # fp16 needs loss scaling (its range underflows small gradients); bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler("cuda") if settings.precision == Precision.fp16 else None
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()
+        self.started_at = started_at  # the job's start: time to the first optimizer step counts from it
         # Micro-batch losses are kept as they come (a list append costs nothing; two in-place additions
         # per step cost ~1% of a small MLP's step) and folded into these sums every few dozen steps.
         self._pending: list[torch.Tensor] = []
@@ -274,9 +305,8 @@ class Engine:
         self.pos.step_in_epoch += 1
         if not self._first_step_done:
             self._first_step_done = True
-            t0 = os.environ.get("DDPEXP_T0")  # set when the ddpexp command started
-            if t0:
-                self.recorder.update(time_to_first_step_s=time.time() - float(t0))
+            if self.started_at is not None:
+                self.recorder.update(time_to_first_step_s=time.time() - self.started_at)
 
     def _checkpoint(self, values: dict[str, float], *, periodic: bool) -> None:
         if self.on_checkpoint is not None:

@@ -1,4 +1,4 @@
-"""Optimizers (sgd | adamw), the LR scaling rule and the LR schedule, validated before launch."""
+"""Optimizers (sgd | adamw), the LR scaling rule and the LR schedule."""
 
 from __future__ import annotations
 
@@ -10,16 +10,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .config import OptimizerName, ScaleRule, Schedule
 from .errors import UserError
-
-OPTIMIZERS = ("sgd", "adamw")
 
 
 def check(cfg: DictConfig) -> None:
-    if cfg.name not in OPTIMIZERS:
-        raise UserError(
-            f"unknown optimizer {cfg.name!r}", setting="optim.name", fix=f"use one of {OPTIMIZERS}"
-        )
     if cfg.lr <= 0:
         raise UserError(f"must be positive, got {cfg.lr}", setting="optim.lr", fix="set optim.lr > 0")
 
@@ -28,7 +23,9 @@ def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
     """The learning rate actually used: optim.lr scaled by the rule for this global batch size.
     linear: lr * B / B_ref (Goyal et al.); sqrt: lr * sqrt(B / B_ref); none: lr."""
     ratio = global_batch / cfg.ref_batch_size
-    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.scale_rule]
+    factor = {ScaleRule.none: 1.0, ScaleRule.linear: ratio, ScaleRule.sqrt: math.sqrt(ratio)}[
+        ScaleRule(cfg.scale_rule)
+    ]
     return float(cfg.lr * factor)
 
 
@@ -38,7 +35,7 @@ def build(
     check(cfg)
     lr = cfg.lr if lr is None else lr
     impl = {} if cfg.fused is None else {"fused": bool(cfg.fused)}
-    if cfg.name == "sgd":
+    if OptimizerName(cfg.name) == OptimizerName.sgd:
         return torch.optim.SGD(
             params,
             lr=lr,
@@ -73,7 +70,7 @@ def build_schedule(
 ) -> torch.optim.lr_scheduler.LambdaLR | None:
     """None for a constant LR without warmup. It runs every optimizer step, so it reads a plain copy
     of the settings: a LambdaLR over the DictConfig cost ~60 us per step (~5% of a small MLP's step)."""
-    if cfg.schedule == "constant" and not cfg.warmup_steps:
+    if Schedule(cfg.schedule) == Schedule.constant and not cfg.warmup_steps:
         return None
     plain = SimpleNamespace(**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))  # type: ignore[arg-type]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(plain, step, total_steps))

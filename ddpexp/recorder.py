@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from .fsutil import atomic_write_bytes, atomic_write_text
 
-log = logging.getLogger("ddpexp")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 METRICS_FILE = "metrics.json"
@@ -49,6 +50,49 @@ TAGS = (
     "perf/epoch_time_s",
     "opt/lr",
 )
+
+
+@dataclass(frozen=True)
+class Best:
+    """The one definition of "best" (checkpoint.best_metric / best_mode): best.pt, metrics.json's
+    `best` and the report all use it."""
+
+    metric: str = "eval/acc"
+    mode: str = "max"
+
+    def improves(self, value: float | None, than: float | None) -> bool:
+        if value is None or not math.isfinite(value):
+            return False
+        return than is None or (value > than if self.mode == "max" else value < than)
+
+    def pick(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The best of some history records ({} when none has the metric)."""
+        best: dict[str, Any] = {}
+        for record in records:
+            if self.improves(record.get(self.metric), best.get(self.metric)):
+                best = record
+        return best
+
+
+def new_metrics(facts: dict[str, Any]) -> dict[str, Any]:
+    return {"status": "running", "facts": facts, "final": {}, "best": {}, "history": []}
+
+
+def write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:
+    atomic_write_text(run_dir / METRICS_FILE, json.dumps(metrics, indent=2, sort_keys=True))
+
+
+def finish_metrics(run_dir: Path, status: str, error: str, *, facts: dict[str, Any]) -> None:
+    """Make metrics.json say how the run ended, even if rank 0 could not write it itself (the
+    launcher calls this after stopping the workers)."""
+    try:
+        metrics = json.loads((run_dir / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        metrics = {}
+    metrics = metrics or new_metrics(facts)
+    metrics["status"] = status
+    metrics["error"] = error
+    write_metrics(run_dir, metrics)
 
 
 class NullRecorder:
@@ -70,7 +114,7 @@ class NullRecorder:
     def save_model(self, state: dict[str, Any]) -> None:
         pass
 
-    def save_checkpoint(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
+    def flush(self) -> None:
         pass
 
     def close(self, status: str, error: str | None = None) -> None:
@@ -84,29 +128,22 @@ class Recorder(NullRecorder):
         *,
         facts: dict[str, Any],
         progress: bool,
-        keep_last_k: int = 2,
+        best: Best | None = None,
         resume_step: int | None = None,
     ) -> None:
         from torch.utils.tensorboard import SummaryWriter  # heavy: only rank 0 of a run pays for it
 
-        from .checkpoint import Checkpointer
-
         self.run_dir = run_dir
-        # Resuming: TensorBoard drops what earlier attempts logged after the checkpoint's step.
-        self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=resume_step)
-        self.checkpointer = Checkpointer(run_dir, keep_last_k=keep_last_k)
+        # Resuming: TensorBoard drops what earlier attempts logged after the checkpoint's step (every
+        # point up to that step was written before the checkpoint was, so it stays).
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge)
+        self.best = best or Best()
         self.show_progress = progress
         self._bar: Any = None
         self._unwritten: list[tuple[int, dict[str, float]]] = []
         self._written_at = time.monotonic()
-        self.metrics: dict[str, Any] = {
-            "status": "running",
-            "facts": facts,
-            "final": {},
-            "best": {},
-            "history": [],
-            "started_at": time.time(),
-        }
+        self.metrics = new_metrics(facts) | {"started_at": time.time()}
         if resume_step is not None:
             self._continue_metrics(resume_step)
         self._write_metrics()
@@ -119,9 +156,7 @@ class Recorder(NullRecorder):
             return
         history = [h for h in old.get("history", []) if h.get("step", 0) <= step]
         self.metrics["history"] = history
-        scored = [h for h in history if "eval/acc" in h]
-        if scored:
-            self.metrics["best"] = max(scored, key=lambda h: h["eval/acc"])
+        self.metrics["best"] = self.best.pick(history)
         if history:
             self.metrics["final"] = history[-1]
         self.metrics["attempts"] = old.get("attempts", 1) + 1
@@ -144,7 +179,7 @@ class Recorder(NullRecorder):
         self.writer.flush()
         self.metrics["history"].append({"epoch": epoch, "step": step, **values})
         self.metrics["final"] = {"epoch": epoch, "step": step, **values}
-        if "eval/acc" in values and values["eval/acc"] > self.metrics["best"].get("eval/acc", -1.0):
+        if self.best.improves(values.get(self.best.metric), self.metrics["best"].get(self.best.metric)):
             self.metrics["best"] = {"epoch": epoch, "step": step, **values}
         self._write_metrics()
         log.info("%s", _summary_line(epoch, epochs, values))
@@ -181,10 +216,11 @@ class Recorder(NullRecorder):
         torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
         atomic_write_bytes(self.run_dir / MODEL_FILE, buf.getvalue())
 
-    def save_checkpoint(self, state: dict[str, Any], *, periodic: bool, best: bool) -> None:
-        self._write_scalars()  # a run resumed from this checkpoint keeps every point logged before it
+    def flush(self) -> None:
+        """Everything logged so far onto disk (before a checkpoint: a run resumed from it keeps every
+        point logged before it)."""
+        self._write_scalars()
         self.writer.flush()
-        self.checkpointer.save(state, periodic=periodic, best=best)
 
     def close(self, status: str, error: str | None = None) -> None:
         self.metrics["status"] = status
@@ -219,7 +255,7 @@ class Recorder(NullRecorder):
         self.writer.flush()
 
     def _write_metrics(self) -> None:
-        atomic_write_text(self.run_dir / METRICS_FILE, json.dumps(self.metrics, indent=2, sort_keys=True))
+        write_metrics(self.run_dir, self.metrics)
 
 
 HPARAMS = (
@@ -241,22 +277,6 @@ HPARAMS = (
 
 def _hparam(value: Any) -> str | bool | int | float:
     return value if isinstance(value, (str, bool, int, float)) else str(value)
-
-
-def open_recorder(
-    *,
-    is_main: bool,
-    run_dir: Path,
-    facts: dict[str, Any],
-    progress: bool | None,
-    keep_last_k: int = 2,
-    resume_step: int | None = None,
-) -> NullRecorder:
-    if not is_main:
-        return NullRecorder()
-    if progress is None:
-        progress = os.environ.get("DDPEXP_TTY") == "1" or sys.stdout.isatty()
-    return Recorder(run_dir, facts=facts, progress=progress, keep_last_k=keep_last_k, resume_step=resume_step)
 
 
 def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:

@@ -1,0 +1,68 @@
+"""What a run records about itself in metrics.json's `facts`: what ran, where, with which batch
+arithmetic. The report groups and labels runs by these."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .context import RunContext
+from .data import Splits
+from .job import Job
+
+
+def run_facts(
+    job: Job,
+    ctx: RunContext,
+    splits: Splits,
+    model: torch.nn.Module,
+    *,
+    loader: str,
+    lr: float,
+    resumed: Path | None,
+) -> dict[str, Any]:
+    p, cfg = job.plan, job.cfg
+    return {
+        "strategy": p.strategy,
+        "backend": p.backend,
+        "init_method": p.init,
+        "launcher": p.launcher,
+        "start_method": cfg.dist.start_method.value if p.launcher == "spawn" else None,
+        "world_size": p.world_size,
+        "nprocs_per_node": p.nprocs_per_node,
+        "nnodes": max(p.world_size // p.nprocs_per_node, 1),
+        "devices_per_process": p.devices_per_process,
+        "replicas": p.replicas,
+        "devices": p.devices,
+        "sync_bn": bool(cfg.strategy.get("sync_bn", False)),
+        "global_batch_size": p.global_batch,
+        "per_rank_batch_size": p.per_rank_batch * cfg.trainer.accumulate,
+        "micro_batch_size": p.per_rank_batch,
+        "device_type": p.device_type,
+        "model": job.choices.get("model", cfg.model.get("_target_")),
+        "data": job.choices.get("data", cfg.data.get("_target_")),
+        "optim": cfg.optim.name.value,
+        "lr": cfg.optim.lr,
+        "lr_used": lr,
+        "lr_scale_rule": cfg.optim.scale_rule.value,
+        "lr_schedule": cfg.optim.schedule.value,
+        "precision": cfg.trainer.precision.name,
+        "accumulate": cfg.trainer.accumulate,
+        "mode": cfg.trainer.mode.value,
+        "best_metric": cfg.checkpoint.best_metric,
+        "best_mode": cfg.checkpoint.best_mode.value,
+        "resumed_from": str(resumed) if resumed else None,
+        "loader": loader,
+        "seed": cfg.seed,
+        "parameters": sum(t.numel() for t in model.parameters()),
+        "data_fingerprint": splits.fingerprint,
+        "vocab_size": splits.info.vocab_size,
+        "train_samples": len(splits.train.dataset),  # type: ignore[arg-type]
+        "eval_samples": len(splits.eval.dataset),  # type: ignore[arg-type]
+        "job_started_at": ctx.job_started_at,
+        "torch": torch.__version__,
+        "host": platform.node(),
+    }
