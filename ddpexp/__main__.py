@@ -1,4 +1,4 @@
-from ddpexp.cli import main
+from ddpexp.cli import console
 
 if __name__ == "__main__":
-    main()
+    console()

@@ -45,8 +45,10 @@ def first_comment(path: Path) -> str:
     return ""
 
 
-def help_text(conf_dir: str) -> str:
-    root = Path(conf_dir)
+def help_text(conf_dir: str | None = None) -> str:
+    from .composition import conf_dir as shipped
+
+    root = Path(conf_dir or shipped())
     lines = []
     folders = [d.name for d in root.iterdir() if d.is_dir() and d.name not in ("hydra", "__pycache__")]
     groups = [g for g in PREFERRED if g in folders] + sorted(set(folders) - set(PREFERRED))

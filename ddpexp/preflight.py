@@ -1,16 +1,59 @@
-"""Checks that need to look at the world (dataset files, model construction, ports, the run dir),
-run in the parent before anything is launched. They read but never write."""
+"""Pre-flight: compose and check every job of the run or sweep in the parent, before anything is
+launched. The checks look at the world (dataset files, model construction, ports, the run dir) but
+never write: bad input stops here with one line and the fix, and no process or directory exists yet.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import faults, optim
+from . import composition, faults, optim
+from .context import FAULT_ENV
 from .errors import UserError
 from .validate import ExternalWorld, HostFacts, Plan, plan
+
+
+def preflight(
+    overrides: list[str],
+    *,
+    multirun: bool,
+    external: ExternalWorld | None = None,
+    config_name: str = composition.CONFIG_NAME,
+) -> list[str]:
+    """Check every job; return the overrides to run Hydra with (settings of swept groups applied to
+    every job, sweep sub-directories named after what varies)."""
+    if multirun and external is not None:
+        raise UserError(
+            "sweeps cannot run under torchrun",
+            setting="-m",
+            fix="run one job per torchrun command, or self-launch the sweep",
+        )
+    with composition.composer(config_name) as compose:
+        overrides, jobs, varying = composition.expand(overrides, multirun=multirun, compose=compose)
+        local = HostFacts.probe()
+        spawns = []
+        for job_overrides in jobs:
+            cfg = compose(job_overrides)
+            host = composition.remote_host(cfg) or local
+            if (
+                check_job(cfg, host, external=external, multirun=multirun).launcher == "spawn"
+                and host is local
+            ):
+                spawns.append(cfg.dist.start_method)
+    if spawns:  # the forkserver imports torch while Hydra sets up the first job
+        from .launch.spawn import prewarm
+
+        prewarm(spawns[0])
+    if not multirun or not varying:
+        return overrides
+    # Name sweep sub-directories after what varies between the jobs only (readable TensorBoard runs).
+    constant = sorted({composition.override_key(o) for o in jobs[0]} - varying)
+    exclude = [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(constant)}]"] if constant else []
+    return overrides + exclude
 
 
 def check_job(
@@ -29,7 +72,7 @@ def check_job(
     if p.launcher == "spawn":
         check_port(cfg)
         check_init_file(cfg)
-    faults.check(p.world_size)
+    faults.check(p.world_size, os.environ.get(FAULT_ENV))
     from .checkpoint import check_resume
 
     check_resume(cfg.trainer.resume, model)
@@ -62,14 +105,13 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     except Exception as exc:
         target = OmegaConf.select(model_cfg, "_target_")
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
-    check_strategy_model = getattr(strategies.get(cfg.strategy.name), "check_model", None)
-    if check_strategy_model is not None:
-        check_strategy_model(model, cfg)
+    strategy, settings = strategies.resolve(cfg.strategy)
+    strategy.check_model(model, settings)
     return model
 
 
 def check_port(cfg: DictConfig) -> None:
-    from .launch import port_is_free
+    from .launch.rendezvous import port_is_free
 
     port = cfg.dist.master_port
     if port is not None and cfg.init.value in ("env", "tcp") and not port_is_free(cfg.dist.master_addr, port):

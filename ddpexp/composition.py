@@ -1,0 +1,224 @@
+"""Composing every job of a run or sweep the way Hydra will, before Hydra runs any of them, so that
+pre-flight can check each one; and turning Hydra's composition errors into one readable line.
+
+A sweep is expanded here with Hydra's own override parser (the basic sweeper's cartesian product).
+Other sweepers (Optuna, ...) choose their jobs as they go: pre-flight then checks the first job, with
+each swept key at a representative value (the first choice, the start of an interval), and every job
+is checked again when it starts.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from .errors import UserError
+
+CONFIG_NAME = "config"
+Compose = Callable[[list[str]], DictConfig]
+
+
+def conf_dir() -> str:
+    return str(importlib.resources.files("ddpexp.conf"))
+
+
+def search_path_override(config_dir: str | None) -> list[str]:
+    """`--config-dir DIR`: the user's folder joins the config search path (after ddpexp's own)."""
+    if not config_dir:
+        return []
+    path = Path(config_dir).resolve()
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory", setting="--config-dir", fix="give an existing folder")
+    return [f"hydra.searchpath=[file://{path}]"]
+
+
+@contextmanager
+def composer(config_name: str = CONFIG_NAME) -> Iterator[Compose]:
+    """Hydra's compose API on ddpexp's config tree; composition errors become one-line UserErrors."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config import register_schema
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base="1.3", job_name="ddpexp"):
+
+            def compose_one(overrides: list[str]) -> DictConfig:
+                try:
+                    return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+                except Exception as exc:  # Hydra/OmegaConf composition errors: one line naming the key
+                    raise UserError(one_line(exc), fix=_fix(exc)) from exc
+
+            yield compose_one
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def expand(
+    overrides: list[str], *, multirun: bool, compose: Compose
+) -> tuple[list[str], list[list[str]], set[str]]:
+    """(the overrides to run with, the override list of every job to check before launch, the keys
+    that take more than one value). Basic sweeper: every job; other sweepers: the first, at
+    representative values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = _parse(parser, overrides)
+    if not multirun:
+        sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
+        if sweeps:
+            raise UserError(f"{sweeps[0]} lists several values", fix="add -m to run a sweep")
+        return overrides, [overrides], set()
+    overrides = _into_swept_groups(parsed, _swept_groups(parsed))
+    parsed = _parse(parser, overrides)
+    # Hydra composes the sweep's base config from the non-swept overrides alone, before any job; the
+    # sweep parameters set there (hydra.sweeper.params, e.g. by an experiment preset) join the command
+    # line's.
+    fixed = [o.input_line or "" for o in parsed if not o.is_sweep_override()]
+    try:
+        base = compose(fixed)
+    except UserError as exc:
+        raise UserError(
+            f"{exc.message} (Hydra applies it before choosing the swept options)",
+            fix=(f"{exc.fix}; " if exc.fix else "")
+            + "for a key inside a config group a preset sweeps, write ++key=value (e.g. ++data.root=...)",
+        ) from exc
+    params = base.hydra.sweeper.get("params") or {}
+    combined = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
+    combined = _parse(parser, _into_swept_groups(combined, _swept_groups(combined)))
+    varying = {o.key_or_group for o in combined if o.is_sweep_override()}
+    basic = str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
+    choices = [_values(o, every=basic) for o in combined]
+    return overrides, [list(job) for job in itertools.product(*choices)], varying
+
+
+def _swept_groups(parsed: list[Any]) -> set[str]:
+    """Config groups whose option the sweep varies (strategy=single,ddp sweeps the `strategy` group)."""
+    return {o.key_or_group for o in parsed if o.is_sweep_override() and "." not in o.key_or_group}
+
+
+def _into_swept_groups(parsed: list[Any], groups: set[str]) -> list[str]:
+    """A fixed setting inside a swept group (strategy.bucket_cap_mb=1 with strategy=naive_allreduce,ddp)
+    is meant for every job. Hydra applies fixed settings to its base config first, whose option (the
+    default one) may not have the key; `++` sets it there too, and each job's own schema still decides
+    whether the key is allowed (pre-flight refuses the jobs whose strategy does not have it)."""
+    out = []
+    for o in parsed:
+        line = o.input_line or ""
+        group = o.key_or_group.split(".", 1)[0]
+        inside = "." in o.key_or_group and group in groups
+        if inside and not o.is_sweep_override() and not line.startswith(("+", "~")):
+            line = "++" + line
+        out.append(line)
+    return out
+
+
+def _parse(parser: Any, overrides: list[str]) -> list[Any]:
+    from hydra.errors import OverrideParseException
+
+    try:
+        return list(parser.parse_overrides(overrides))
+    except OverrideParseException as exc:
+        key, _, value = exc.override.partition("=")
+        raise UserError(
+            one_line(exc), fix=f"quote a value with special characters: '{key}=\"{value}\"'"
+        ) from exc
+    except Exception as exc:
+        raise UserError(one_line(exc)) from exc
+
+
+def _values(override: Any, *, every: bool) -> list[str]:
+    """`key=value` strings for one override: each value of a discrete sweep (or only the first, for
+    a sweeper that picks values itself), the start of an interval."""
+    if not override.is_sweep_override():
+        return [override.input_line or ""]
+    key = override.get_key_element()
+    if override.is_discrete_sweep():
+        values = list(override.sweep_string_iterator())
+        return [f"{key}={v}" for v in (values if every else values[:1])]
+    if every:
+        raise UserError(
+            f"{override.input_line}: the basic sweeper cannot sweep an interval",
+            fix="list the values (a,b,c) or range(...), or choose a sweeper that samples, "
+            "e.g. hydra/sweeper=optuna",
+        )
+    return [f"{key}={override.value().start}"]  # an interval: any value in it composes the same
+
+
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra's message, with the precise reason OmegaConf gave underneath it, on one line."""
+    from hydra.errors import OverrideParseException
+
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    options = [ln for ln in lines if ln.startswith("Available options")]
+    if "Could not find" in head and options:
+        idx = lines.index(options[0])
+        names = [ln for ln in lines[idx + 1 :] if " " not in ln and ":" not in ln and "_schema" not in ln]
+        return f"{head.split(': ', 1)[-1]}; options: {', '.join(names)} (python -m ddpexp --help lists them)"
+    if isinstance(exc, OverrideParseException):
+        return f"cannot parse override {exc.override!r}: {head}"
+    cause = exc.__cause__
+    detail = [ln.strip() for ln in str(cause).splitlines() if ln.strip()] if cause is not None else []
+    full_key = next(
+        (ln.split(":", 1)[1].strip() for ln in lines + detail if ln.startswith("full_key:")), None
+    )
+    if detail and detail[0] not in head:
+        head = f"{head.rstrip('.')}: {detail[0]}"
+    return f"{full_key}: {head}" if full_key and full_key not in head else head
+
+
+def _fix(exc: BaseException) -> str | None:
+    """For a key the schema does not have: the strategies that own it, or the closest real key."""
+    import dataclasses
+    import difflib
+
+    from omegaconf.errors import ConfigAttributeError
+
+    from . import strategies
+
+    cause = exc.__cause__
+    if not isinstance(cause, ConfigAttributeError) or cause.key is None:
+        return None
+    key, full_key = str(cause.key), str(cause.full_key)
+    if full_key.startswith("strategy."):
+        return strategies.setting_hint(key)
+    schema = cause.object_type
+    known = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close:
+        return None
+    parent = full_key.rpartition(".")[0]
+    return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+
+
+def remote_host(cfg: DictConfig) -> Any:
+    """Jobs that a launcher plugin runs elsewhere (Slurm) are checked against that machine's declared
+    GPUs, not this one's: a login node without GPUs must not veto a GPU job. Their own host re-checks
+    everything before starting. One Slurm node and one task per job: ddpexp spawns the workers there."""
+    from .validate import HostFacts
+
+    launcher = cfg.hydra.launcher
+    if "BasicLauncher" in str(launcher.get("_target_", "BasicLauncher")):
+        return None
+    for key in ("nodes", "tasks_per_node"):
+        if launcher.get(key, 1) != 1:
+            raise UserError(
+                f"is {launcher.get(key)}; ddpexp runs one launcher task per node and starts one worker "
+                "per GPU itself",
+                setting=f"hydra.launcher.{key}",
+                fix=f"set hydra.launcher.{key}=1; for several nodes run torchrun inside sbatch (README)",
+            )
+    return HostFacts(cuda_devices=launcher.get("gpus_per_node") or 0, nccl=True, gloo=True, mpi=True)

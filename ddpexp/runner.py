@@ -1,0 +1,136 @@
+"""Hydra's part of a run: make each job's run directory (one per job of a sweep, named after what
+varies) and call the task once per job. The task re-checks its job, writes config.yaml and plan.json,
+and launches it. Used by the command line and by the in-process API alike; neither touches sys.argv.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from . import composition
+from .errors import UserError
+from .recorder import METRICS_FILE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    run_dir: Path
+    exit_code: int
+    error: str | None = None  # a refused job's one-line reason (the launcher reports run failures itself)
+
+
+def _sweep_subdir(override_dirname: str, num: int) -> str:
+    name = override_dirname.replace("/", "_")
+    return name or f"job{num}"
+
+
+OmegaConf.register_new_resolver("ddpexp_subdir", _sweep_subdir, replace=True)
+
+
+def run_jobs(
+    overrides: list[str],
+    *,
+    multirun: bool,
+    started_at: float,
+    report: Callable[[Outcome], None],
+    config_name: str = composition.CONFIG_NAME,
+) -> list[Outcome]:
+    """Run the job (or every job of the sweep) through Hydra; `started_at` is when the command began:
+    the first job's clock starts there, each later job's when it starts. `report` hears of each job
+    as it ends (the command line prints its run dir and error)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config import register_schema
+
+    outcomes: list[Outcome] = []
+
+    def task(cfg: DictConfig) -> float | None:
+        outcome = run_job(cfg, started_at=started_at if not outcomes else time.time())
+        outcomes.append(outcome)
+        report(outcome)
+        if outcome.exit_code in (130, 143):  # Ctrl-C / SIGTERM stops the whole sweep, not just this job
+            raise SystemExit(outcome.exit_code)
+        return best_value(outcome.run_dir)
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        conf = composition.conf_dir()
+        with (
+            _logging_restored(),
+            initialize_config_dir(config_dir=conf, version_base="1.3", job_name="ddpexp"),
+        ):
+            hydra = GlobalHydra.instance().hydra
+            assert hydra is not None
+            if multirun:
+                hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
+            else:
+                hydra.run(config_name=config_name, task_function=task, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+    return outcomes
+
+
+@contextmanager
+def _logging_restored() -> Iterator[None]:
+    """Hydra points the root logger at each job's ddpexp.log; afterwards the caller's logging (a
+    notebook's, a test's) is as it was, and the job's log file is closed."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
+    """One job: check it again on the machine it runs on, record it, launch it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from . import launch
+    from .job import Job
+    from .launch import torchrun
+    from .preflight import check_job
+    from .validate import ExternalWorld, HostFacts
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    choices = {
+        k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra") and v is not None
+    }
+    world = torchrun.world()
+    external = ExternalWorld(*world) if world else None
+    try:
+        plan = check_job(cfg, HostFacts.probe(), external=external, run_dir_checked=True)
+        job = Job(cfg=cfg, plan=plan, run_dir=run_dir, choices=choices, started_at=started_at)
+        job.save()
+        return Outcome(run_dir=run_dir, exit_code=launch.run(job))
+    except UserError as exc:
+        if external is not None:
+            torchrun.publish_error(exc)
+        return Outcome(run_dir=run_dir, exit_code=UserError.exit_code, error=str(exc))
+
+
+def best_value(run_dir: Path) -> float | None:
+    """The run's best value of its best metric (what an optimising sweeper maximises or minimises)."""
+    try:
+        metrics = json.loads((run_dir / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    value = metrics.get("best", {}).get(metrics.get("facts", {}).get("best_metric", "eval/acc"))
+    return float(value) if value is not None else None
