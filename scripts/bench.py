@@ -98,24 +98,34 @@ def run_loop_overhead(model: str, *, smoke: bool) -> dict[str, float]:
     return run_script("loop_overhead.py", [f"--model={model}", *rounds])
 
 
-def measure(model: str, strategy: str, n: int, repeats: int, epochs: int, work: Path) -> dict[str, float]:
-    """Medians over repeats; the variants take turns, so drifting machine load hits all alike."""
+def measure(
+    model: str, strategy: str, n: int, repeats: int, epochs: int, work: Path, *, smoke: bool = False
+) -> dict[str, float]:
+    """Medians over repeats; the variants take turns, so drifting machine load hits all alike. The smoke
+    run skips ddp's DataLoader variants (the single row already runs both data paths)."""
     world = (min(2, torch_gpus()) if torch_gpus() else 2) if strategy == "ddp" else 1
+    ours = ("device",) if smoke and world > 1 else ("device", "dataloader")
+    plain = (
+        ("dataloader", "index", "bare") if world == 1 else ("index",) if smoke else ("dataloader", "index")
+    )
     runs: dict[str, list[dict[str, float]]] = {}
     for i in range(repeats):
-        for loader in ("device", "dataloader"):
+        for loader in ours:
             tag = f"{model}-{strategy}-{loader}-{i}"
             runs.setdefault(f"ddpexp:{loader}", []).append(
                 run_ddpexp(model, strategy, world, n, loader, work, tag, epochs)
             )
-        for loader in ("dataloader", "index", "bare") if world == 1 else ("dataloader", "index"):
+        for loader in plain:
             runs.setdefault(f"plain:{loader}", []).append(run_plain(model, world, n, loader, epochs))
     med = {
         f"{variant}/{key}": statistics.median(r[key] for r in rs)
         for variant, rs in runs.items()
         for key in rs[0]
     }
-    med.setdefault("plain:bare/samples_per_s", float("nan"))
+    nan = float("nan")
+    for missing in ("ddpexp:dataloader", "plain:dataloader", "plain:bare"):
+        for key in ("samples_per_s", "peak_mb"):
+            med.setdefault(f"{missing}/{key}", nan)
     return med
 
 
@@ -174,7 +184,13 @@ def main() -> None:
         for model in models.split(","):
             n = 512 if args.smoke else args.num_train or MODELS[model][2]
             for strategy in args.strategies.split(","):
-                rows.append((model, strategy, measure(model, strategy, n, repeats, epochs, Path(tmp))))
+                rows.append(
+                    (
+                        model,
+                        strategy,
+                        measure(model, strategy, n, repeats, epochs, Path(tmp), smoke=args.smoke),
+                    )
+                )
     print(table("samples/s", COLUMNS, rows))
     print()
     print(table("ratios and costs", RATIOS, rows))

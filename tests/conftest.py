@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -17,15 +19,18 @@ REPO = Path(__file__).resolve().parents[1]
 QUICK = ["model=mlp", "data=synthetic", "trainer.progress=false"]
 # QUICK with checkpoints every 20 steps; 32 steps per epoch at batch 64, so step 45 is mid-epoch 2.
 RESUME = [*QUICK, "checkpoint.every_steps=20", "optim.lr=0.05"]
+# The parity experiment: every strategy trains STEPS steps at the same global batch (see parity_sweep).
+STEPS = 5
+PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
+PARITY_STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
 
 
 class Result:
-    def __init__(self, proc: subprocess.CompletedProcess[str], cwd: Path) -> None:
-        self.proc = proc
+    def __init__(self, returncode: int, stdout: str, stderr: str, cwd: Path) -> None:
         self.cwd = cwd
-        self.returncode = proc.returncode
-        self.stdout = proc.stdout
-        self.stderr = proc.stderr
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
 
     def __repr__(self) -> str:
         return f"exit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
@@ -45,7 +50,29 @@ def run_ddpexp(
     cmd = [*(launcher or [sys.executable, "-m"]), "ddpexp", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
-    return Result(proc, cwd)
+    return Result(proc.returncode, proc.stdout, proc.stderr, cwd)
+
+
+def run_here(cwd: Path, *args: str) -> Result:
+    """The command line, run in this process (`ddpexp.cli.main`): what a subprocess would do, without
+    paying ~3 s to start Python and import torch again. Workers of multi-process strategies are still
+    real processes. For what needs a process of its own (signals, exit codes of the interpreter, the
+    process tree), use run_ddpexp."""
+    from ddpexp import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(list(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(previous)
+    return Result(code, out.getvalue(), err.getvalue(), cwd)
 
 
 def metrics(run_dir: Path) -> dict[str, Any]:
@@ -67,7 +94,7 @@ def hydra_conf():
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from ddpexp.cli import conf_dir
+    from ddpexp.composition import conf_dir
     from ddpexp.config import register_schema
 
     register_schema()
@@ -75,6 +102,16 @@ def hydra_conf():
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         yield
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def parity_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every shipped strategy on the PARITY experiment, one sweep, made once per session: the reference
+    that other strategies and settings (accumulation, bucketing, init methods, launchers) must match."""
+    cwd = tmp_path_factory.mktemp("parity")
+    result = run_here(cwd, "-m", f"strategy={','.join(PARITY_STRATEGIES)}", *PARITY, "hydra.sweep.dir=sweep")
+    assert result.returncode == 0, result
+    return cwd / "sweep"
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +123,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
     def get(strategy: str) -> Path:
         if strategy not in made:
             tmp = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
-            result = run_ddpexp(
+            result = run_here(
                 tmp, f"strategy={strategy}", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"
             )
             assert result.returncode == 0, result

@@ -16,9 +16,9 @@ from hydra import compose
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ddpexp import report
-from ddpexp.cli import _expand
+from ddpexp.composition import expand
 
-from .conftest import QUICK, metrics, run_ddpexp
+from .conftest import PARITY, metrics, run_here
 
 SHORT = [
     "data=synthetic",
@@ -33,9 +33,7 @@ JOBS = ["strategy=ddp", "strategy=ddp_sync_bn", "strategy=dp", "strategy=single"
 @pytest.fixture(scope="module")
 def preset_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cwd = tmp_path_factory.mktemp("preset")
-    result = run_ddpexp(
-        cwd, "-m", "experiment=dp_vs_ddp_vs_syncbn", *SHORT, "hydra.sweep.dir=sweep", timeout=400
-    )
+    result = run_here(cwd, "-m", "experiment=dp_vs_ddp_vs_syncbn", *SHORT, "hydra.sweep.dir=sweep")
     assert result.returncode == 0, result
     return cwd / "sweep"
 
@@ -129,21 +127,38 @@ def test_naive_buckets_pack_parameters_up_to_the_cap():
 
 
 @pytest.mark.multiproc
-def test_bucketed_naive_allreduce_trains_like_ddp(tmp_path: Path):
-    args = [
-        "-m",
-        "strategy=naive_allreduce,ddp",
-        "strategy.bucket_cap_mb=0.05",
-        *QUICK,
-        "trainer.max_steps=5",
-    ]
-    result = run_ddpexp(tmp_path, *args, "hydra.sweep.dir=s", timeout=300)
+def test_bucketed_naive_allreduce_trains_like_ddp(parity_sweep: Path, tmp_path: Path):
+    result = run_here(
+        tmp_path, "strategy=naive_allreduce", "strategy.bucket_cap_mb=0.05", *PARITY, "hydra.run.dir=r"
+    )
     assert result.returncode == 0, result
-    naive = torch.load(tmp_path / "s" / "strategy=naive_allreduce" / "model.pt", weights_only=True)
-    ddp = torch.load(tmp_path / "s" / "strategy=ddp" / "model.pt", weights_only=True)
+    naive = torch.load(tmp_path / "r" / "model.pt", weights_only=True)
+    ddp = torch.load(parity_sweep / "strategy=ddp" / "model.pt", weights_only=True)
     for name in ddp:
         torch.testing.assert_close(naive[name], ddp[name], rtol=1e-5, atol=1e-6)
-    assert metrics(tmp_path / "s" / "strategy=naive_allreduce")["final"]["comm/bytes_per_step"] > 0
+    assert metrics(tmp_path / "r")["final"]["comm/bytes_per_step"] > 0
+
+
+@pytest.mark.multiproc
+def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tmp_path: Path):
+    """With the BatchNorm ConvNet, ddp+sync_bn equals single on the same global batch, weights and
+    running statistics alike; plain ddp (per-rank statistics) does not (the preset sweep's runs)."""
+    bn = ["model=convnet", "data=synthetic", "trainer.progress=false", "trainer.max_steps=5"]
+    for strategy in ("single", "ddp_sync_bn"):
+        result = run_here(tmp_path, f"strategy={strategy}", *bn, f"hydra.run.dir={strategy}")
+        assert result.returncode == 0, result
+    reference = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
+    assert any("running_var" in name for name in reference)
+    synced = torch.load(tmp_path / "ddp_sync_bn" / "model.pt", weights_only=True)
+    for name, value in reference.items():
+        torch.testing.assert_close(synced[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
+    assert metrics(tmp_path / "ddp_sync_bn")["facts"]["sync_bn"] is True
+    single, local = (
+        torch.load(preset_sweep / f"strategy={s}" / "model.pt", weights_only=True) for s in ("single", "ddp")
+    )
+    assert not all(
+        torch.allclose(local[n].float(), v.float(), rtol=1e-4, atol=1e-5) for n, v in single.items()
+    )
 
 
 @pytest.mark.usefixtures("hydra_conf")
@@ -152,14 +167,13 @@ def test_bucketed_naive_allreduce_trains_like_ddp(tmp_path: Path):
     [("dp_vs_ddp_vs_syncbn", 4), ("scaling", 6), ("backends_and_init", 6), ("allreduce", 6)],
 )
 def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
-    from ddpexp.cli import _compose
     from ddpexp.preflight import check_job
     from ddpexp.validate import HostFacts
 
     def comp(overrides: list[str]):
-        return _compose(compose, "config", overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
 
-    expanded, varying = _expand([f"experiment={preset}"], multirun=True, compose=comp)
+    _, expanded, varying = expand([f"experiment={preset}"], multirun=True, compose=comp)
     assert len(expanded) == jobs and varying
     host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
     for job in expanded:  # every job of every preset runs on a CPU-only machine

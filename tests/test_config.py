@@ -9,7 +9,7 @@ import pytest
 from hydra import compose
 
 from ddpexp import models, optim
-from ddpexp.cli import conf_dir
+from ddpexp.composition import conf_dir
 from ddpexp.data import DataSource
 from ddpexp.help import help_text
 from ddpexp.validate import HostFacts, plan
@@ -87,7 +87,7 @@ def test_help_lists_every_group_and_option():
 def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node():
     from hydra.utils import get_class
 
-    from ddpexp.cli import _remote_host
+    from ddpexp.composition import remote_host
 
     cfg = compose(
         config_name="config",
@@ -97,12 +97,12 @@ def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher") and launcher.nodes == 1
     assert get_class(launcher._target_).__name__ == "SlurmLauncher"  # the plugin is installed
-    host = _remote_host(cfg)
+    host = remote_host(cfg)
     assert host.cuda_devices == launcher.gpus_per_node
     p = plan(cfg, host)  # nccl is fine on the GPU node, although this machine has none
     assert (p.backend, p.world_size) == ("nccl", launcher.gpus_per_node)
     local = compose(config_name="config", return_hydra_config=True)
-    assert _remote_host(local) is None
+    assert remote_host(local) is None
 
 
 @pytest.mark.parametrize(

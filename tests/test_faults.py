@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from ddpexp import checkpoint
-from ddpexp.launch import free_port, port_is_free
+from ddpexp.launch.rendezvous import free_port, port_is_free
 
 from .conftest import QUICK, RESUME, metrics, same_weights, scalars
 
@@ -51,7 +51,7 @@ class Watched:
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         self.seen: dict[int, psutil.Process] = {}
-        self.rank_of: dict[int, str | None] = {}  # worker pid -> RANK, read while it was alive
+        self.rank_of: dict[int, str] = {}  # worker pid -> its rank, read while it was alive
         self.gone_at: dict[int, float] = {}
         self._watching = True
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -63,7 +63,7 @@ class Watched:
             try:
                 for p in root.children(recursive=True):
                     self.seen.setdefault(p.pid, p)
-                    if self.rank_of.get(p.pid) is None:  # seen between fork and exec: ask again
+                    if p.pid not in self.rank_of:  # a worker names itself ddpexp-rank<N> as it starts
                         self._note_rank(p)
             except psutil.NoSuchProcess:
                 pass
@@ -74,15 +74,17 @@ class Watched:
             time.sleep(0.05)
 
     def _note_rank(self, p: psutil.Process) -> None:
+        """Workers show up as ddpexp-rank<N>. A worker's short-lived child (a shell an import runs, say)
+        carries that name between fork and exec, so a process whose parent is a worker is not one."""
         try:
-            if "ddpexp" in " ".join(p.cmdline()):
-                self.rank_of[p.pid] = p.environ().get("RANK")
+            name = p.name()
+            if name.startswith("ddpexp-rank") and not p.parent().name().startswith("ddpexp-rank"):
+                self.rank_of[p.pid] = name.removeprefix("ddpexp-rank")
         except psutil.Error:
             pass
 
-    def workers(self) -> list[int]:
-        """The pids of the ddpexp worker processes seen (torchrun's agent excluded)."""
-        return [pid for pid, rank in self.rank_of.items() if rank is not None]
+    def ranks_seen(self) -> set[str]:
+        return set(self.rank_of.values())
 
     def exit_time_of_rank(self, rank: int) -> float:
         (pid,) = [pid for pid, r in self.rank_of.items() if r == str(rank)]
@@ -202,7 +204,7 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path: Path):
     run.wait_until_training()
     run.proc.kill()  # SIGKILL: no handler runs in the launcher
     run.finish(timeout=30)
-    assert len(run.workers()) == 2
+    assert run.ranks_seen() == {"0", "1"}
     run.assert_nothing_left()
     assert _last_checkpoint_step(tmp_path / "run") >= 5
 

@@ -19,7 +19,7 @@ from ddpexp.data.synthetic import synthetic
 from ddpexp.recorder import TAGS
 from ddpexp.train import seed_everything
 
-from .conftest import QUICK, metrics, run_ddpexp, scalars
+from .conftest import PARITY, PARITY_STRATEGIES, QUICK, STEPS, metrics, run_ddpexp, run_here, scalars
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,8 +32,6 @@ FACT_KEYS = {
     "per_rank_batch_size",
     "device_type",
 }
-STEPS = 5
-PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -64,7 +62,7 @@ def test_the_dataloader_path_trains_to_the_same_accuracy_as_the_device_path(defa
     """The default run's automatic choice on digits is device-resident batching; the DataLoader path
     serves the same batches, so it must land in the same accuracy band."""
     (device_dir,) = default_run.run_dirs()
-    result = run_ddpexp(tmp_path, "loader.mode=dataloader")
+    result = run_here(tmp_path, "loader.mode=dataloader")
     assert result.returncode == 0, result
     (loader_dir,) = result.run_dirs()
     device, loader = metrics(device_dir), metrics(loader_dir)
@@ -109,27 +107,16 @@ def test_tensorboard_events_have_documented_tags_per_step(default_run):
 # ---------------------------------------------------------------------- DDP vs single, sweep naming
 
 
-STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
-
-
-@pytest.fixture(scope="module")
-def parity_sweep(tmp_path_factory: pytest.TempPathFactory):
-    cwd = tmp_path_factory.mktemp("sweep")
-    result = run_ddpexp(cwd, "-m", f"strategy={','.join(STRATEGIES)}", *PARITY, "hydra.sweep.dir=sweep")
-    assert result.returncode == 0, result
-    return cwd / "sweep"
-
-
 def test_sweep_subdirs_are_named_after_the_overrides(parity_sweep: Path):
     names = sorted(p.name for p in parity_sweep.iterdir() if p.is_dir())
-    assert names == sorted(f"strategy={s}" for s in STRATEGIES)
+    assert names == sorted(f"strategy={s}" for s in PARITY_STRATEGIES)
     facts = metrics(parity_sweep / "strategy=ddp")["facts"]
     assert (facts["world_size"], facts["backend"], facts["per_rank_batch_size"]) == (2, "gloo", 32)
     assert scalars(parity_sweep / "strategy=ddp")["eval/acc"]  # rank 0 wrote the events...
     assert len(list((parity_sweep / "strategy=ddp").glob("events.out.tfevents.*"))) == 1  # ...only rank 0
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+@pytest.mark.parametrize("strategy", PARITY_STRATEGIES[1:])
 def test_every_strategy_matches_single_process_with_the_same_global_batch(parity_sweep: Path, strategy: str):
     single = weights(parity_sweep / "strategy=single")
     ddp = weights(parity_sweep / f"strategy={strategy}")
@@ -147,20 +134,26 @@ def test_every_strategy_matches_single_process_with_the_same_global_batch(parity
 
 
 def test_strategy_facts(parity_sweep: Path):
-    facts = {s: metrics(parity_sweep / f"strategy={s}")["facts"] for s in STRATEGIES}
+    facts = {s: metrics(parity_sweep / f"strategy={s}")["facts"] for s in PARITY_STRATEGIES}
     assert facts["dp"]["replicas"] == 1 and facts["dp"]["world_size"] == 1  # no GPU: one CPU replica
     assert facts["ddp_mp"]["devices_per_process"] == 2 and facts["ddp_mp"]["world_size"] == 2
     assert facts["naive_allreduce"]["replicas"] == 2 and facts["naive_allreduce"]["backend"] == "gloo"
     assert facts["single"]["backend"] is None
 
 
-def test_init_methods_train_to_the_same_parameters_as_env(parity_sweep: Path, tmp_path: Path):
-    result = run_ddpexp(tmp_path, "-m", "strategy=ddp", "init=tcp,file", *PARITY, "hydra.sweep.dir=s")
+def test_init_and_start_methods_train_to_the_same_parameters_as_env(parity_sweep: Path, tmp_path: Path):
+    """tcp:// and file:// rendezvous, with workers started as fresh interpreters (spawn) instead of
+    forked from the forkserver, train exactly as parity_sweep's env:// forkserver run."""
+    result = run_here(
+        tmp_path, "-m", "strategy=ddp", "init=tcp,file", "dist.start_method=spawn", *PARITY, "hydra.sweep.dir=s"
+    )
     assert result.returncode == 0, result
+    assert metrics(parity_sweep / "strategy=ddp")["facts"]["start_method"] == "forkserver"
     env = weights(parity_sweep / "strategy=ddp")
     for init in ("tcp", "file"):
         run_dir = tmp_path / "s" / f"init={init}"
         assert metrics(run_dir)["facts"]["init_method"] == init
+        assert metrics(run_dir)["facts"]["start_method"] == "spawn"
         for name, value in weights(run_dir).items():
             assert torch.equal(value, env[name]), (init, name)
     assert not (tmp_path / "s" / "init=file" / "rendezvous").exists()  # removed at the end
@@ -189,7 +182,7 @@ EVAL = [*QUICK, "data.num_eval=511", "trainer.max_steps=0", "trainer.batch_size=
 
 @pytest.fixture(scope="module")
 def eval_single(tmp_path_factory: pytest.TempPathFactory):
-    result = run_ddpexp(tmp_path_factory.mktemp("eval1"), *EVAL)
+    result = run_here(tmp_path_factory.mktemp("eval1"), *EVAL)
     assert result.returncode == 0, result
     (run_dir,) = result.run_dirs()
     return metrics(run_dir)["final"]
@@ -198,7 +191,7 @@ def eval_single(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_exact_eval_when_eval_set_is_not_divisible_by_world_size(eval_single, nprocs: int, tmp_path: Path):
     assert 511 % nprocs != 0
-    result = run_ddpexp(tmp_path, "strategy=ddp", f"dist.nprocs={nprocs}", *EVAL)
+    result = run_here(tmp_path, "strategy=ddp", f"dist.nprocs={nprocs}", *EVAL)
     assert result.returncode == 0, result
     (run_dir,) = result.run_dirs()
     ddp = metrics(run_dir)["final"]
@@ -207,36 +200,11 @@ def test_exact_eval_when_eval_set_is_not_divisible_by_world_size(eval_single, np
     assert math.isclose(ddp["eval/loss"], eval_single["eval/loss"], rel_tol=1e-12)
 
 
-# --------------------------------------------------------------------------------------- SyncBN
-
-
-def test_sync_bn_ddp_trains_like_single_process_batchnorm(tmp_path: Path):
-    """End to end with the BatchNorm ConvNet: ddp+sync_bn equals single on the same global batch, weights
-    and running statistics alike; plain ddp (per-rank statistics) does not."""
-    bn = ["model=convnet", "data=synthetic", "trainer.progress=false", *PARITY[3:]]
-    single = run_ddpexp(tmp_path, *bn, "hydra.run.dir=single")
-    assert single.returncode == 0, single
-    sweep = run_ddpexp(
-        tmp_path, "-m", "strategy=ddp", "strategy.sync_bn=true,false", *bn, "hydra.sweep.dir=s"
-    )
-    assert sweep.returncode == 0, sweep
-    reference = weights(tmp_path / "single")
-    assert any("running_var" in name for name in reference)
-    synced = weights(tmp_path / "s" / "strategy.sync_bn=True")
-    for name, value in reference.items():
-        torch.testing.assert_close(synced[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
-    local = weights(tmp_path / "s" / "strategy.sync_bn=False")
-    assert not all(
-        torch.allclose(local[n].float(), v.float(), rtol=1e-4, atol=1e-5) for n, v in reference.items()
-    )
-    assert metrics(tmp_path / "s" / "strategy.sync_bn=True")["facts"]["sync_bn"] is True
-
-
 # ----------------------------------------------------------------------------- two nodes, torchrun
 
 
 def test_two_torchrun_nodes_on_localhost_make_one_run(parity_sweep: Path, tmp_path: Path):
-    from ddpexp.launch import free_port
+    from ddpexp.launch.rendezvous import free_port
 
     port = free_port("127.0.0.1")
 

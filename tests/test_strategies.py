@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ddpexp import models
-from ddpexp.cli import conf_dir
+from ddpexp.composition import conf_dir
 from ddpexp.errors import UserError
 from ddpexp.strategies.ddp_mp import Pipeline, group
 from ddpexp.validate import HostFacts, plan
@@ -60,9 +60,9 @@ def _host(gpus: int) -> HostFacts:
         (["strategy=ddp_mp"], 8, dict(world_size=4, devices_per_process=2, per_rank_batch=16, devices=8)),
         (["strategy=ddp_mp"], 0, dict(world_size=2, devices_per_process=2, devices=2)),
         (["strategy=ddp_mp", "strategy.stages=4"], 8, dict(world_size=2, devices_per_process=4)),
-        (["strategy=dp"], 4, dict(world_size=1, replicas=4, device_ids=[0, 1, 2, 3], per_rank_batch=64)),
-        (["strategy=dp", "strategy.device_ids=[1,3]"], 4, dict(replicas=2, device_ids=[1, 3])),
-        (["strategy=dp"], 0, dict(replicas=1, device_type="cpu", device_ids=None)),
+        (["strategy=dp"], 4, dict(world_size=1, replicas=4, devices_per_process=4, per_rank_batch=64)),
+        (["strategy=dp", "strategy.device_ids=[1,3]"], 4, dict(replicas=2, devices_per_process=2)),
+        (["strategy=dp"], 0, dict(replicas=1, device_type="cpu", devices_per_process=1)),
         (["strategy=naive_allreduce", "backend='cpu:gloo,cuda:nccl'"], 2, dict(backend="cpu:gloo,cuda:nccl")),
         (["strategy=ddp", "dist.nprocs=3", "trainer.batch_size=66"], 0, dict(world_size=3, backend="gloo")),
     ],
@@ -100,12 +100,14 @@ def test_ddp_settings_reach_distributed_data_parallel(overrides: list[str], expe
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddpexp.strategies.ddp import SYNC_BUFFERS_ARG, bucket_kwargs
+    from ddpexp import strategies
+    from ddpexp.strategies.ddp import SYNC_BUFFERS_ARG, ddp_kwargs
 
     cfg = compose(config_name="config", overrides=["strategy=ddp", *overrides])
+    _, settings = strategies.resolve(cfg.strategy)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
-        ddp = DistributedDataParallel(torch.nn.Linear(4, 2), **bucket_kwargs(cfg))
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 2), **ddp_kwargs(settings))
         for name, value in expect.items():
             if name == "broadcast_buffers":  # its name in this torch version
                 name = SYNC_BUFFERS_ARG

@@ -17,7 +17,7 @@ from ddpexp.engine import Engine, LoopSettings
 from ddpexp.recorder import NullRecorder
 from ddpexp.strategies import Wrapped
 
-from .conftest import QUICK, RESUME, metrics, run_ddpexp, same_weights, scalars
+from .conftest import PARITY, QUICK, RESUME, metrics, run_here, same_weights, scalars
 
 
 def ckpt(run_dir: Path) -> dict:
@@ -42,9 +42,9 @@ def resumed(request, tmp_path_factory: pytest.TempPathFactory, uninterrupted):
     strategy = request.param
     tmp = tmp_path_factory.mktemp(f"resume-{strategy}")
     args = [f"strategy={strategy}", *RESUME]
-    first = run_ddpexp(tmp, *args, "trainer.max_steps=45", "hydra.run.dir=parts")
+    first = run_here(tmp, *args, "trainer.max_steps=45", "hydra.run.dir=parts")
     assert first.returncode == 0, first
-    second = run_ddpexp(tmp, *args, "trainer.max_steps=70", "hydra.run.dir=parts", "trainer.resume=auto")
+    second = run_here(tmp, *args, "trainer.max_steps=70", "hydra.run.dir=parts", "trainer.resume=auto")
     assert second.returncode == 0, second
     return strategy, uninterrupted(strategy), tmp / "parts", second
 
@@ -65,7 +65,7 @@ def test_resume_mid_epoch_gives_bitwise_the_uninterrupted_run(resumed):
 @pytest.mark.multiproc
 def test_a_ddp_checkpoint_evaluates_identically_under_single(resumed, tmp_path: Path):
     _strategy, whole, _, _ = resumed
-    result = run_ddpexp(
+    result = run_here(
         tmp_path,
         *QUICK,
         "strategy=single",
@@ -81,6 +81,7 @@ def test_a_ddp_checkpoint_evaluates_identically_under_single(resumed, tmp_path: 
     assert math.isclose(m["final"]["eval/loss"], trained["eval/loss"], rel_tol=1e-9)
 
 
+@pytest.mark.multiproc
 def test_checkpoint_is_plain_and_loads_into_a_plain_model(resumed):
     _, whole, _, _ = resumed
     state = ckpt(whole)  # weights_only=True: no pickled objects
@@ -108,13 +109,15 @@ def test_checkpoint_is_plain_and_loads_into_a_plain_model(resumed):
 
 
 @pytest.mark.multiproc
-def test_accumulation_equals_the_larger_per_rank_batch(tmp_path: Path):
-    args = ["-m", "strategy=single,ddp", "trainer.accumulate=1,4", *QUICK, "trainer.max_steps=5"]
-    result = run_ddpexp(tmp_path, *args, "checkpoint.every_epochs=null", "hydra.sweep.dir=s", timeout=300)
+def test_accumulation_equals_the_larger_per_rank_batch(parity_sweep: Path, tmp_path: Path):
+    """4 accumulated micro-batches per step train to the parity run's weights (1 micro-batch of 4x the
+    size), for single and ddp."""
+    args = ["-m", "strategy=single,ddp", "trainer.accumulate=4", *PARITY, "checkpoint.every_epochs=null"]
+    result = run_here(tmp_path, *args, "hydra.sweep.dir=s")
     assert result.returncode == 0, result
     for strategy in ("single", "ddp"):
-        one = tmp_path / "s" / f"strategy={strategy},trainer.accumulate=1"
-        four = tmp_path / "s" / f"strategy={strategy},trainer.accumulate=4"
+        one = parity_sweep / f"strategy={strategy}"
+        four = tmp_path / "s" / f"strategy={strategy}"
         assert metrics(four)["facts"]["micro_batch_size"] * 4 == metrics(one)["facts"]["micro_batch_size"]
         a = torch.load(one / "model.pt", weights_only=True)
         b = torch.load(four / "model.pt", weights_only=True)
@@ -122,8 +125,9 @@ def test_accumulation_equals_the_larger_per_rank_batch(tmp_path: Path):
             torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multiproc  # torch.compile: slow to start, and it runs compiler workers
 def test_bf16_compile_and_channels_last_paths_run(tmp_path: Path):
-    compiled = run_ddpexp(
+    compiled = run_here(
         tmp_path,
         *QUICK,
         "trainer.max_steps=3",
@@ -132,7 +136,7 @@ def test_bf16_compile_and_channels_last_paths_run(tmp_path: Path):
         "hydra.run.dir=c",
     )
     assert compiled.returncode == 0, compiled
-    conv = run_ddpexp(
+    conv = run_here(
         tmp_path,
         "model=convnet",
         "data=synthetic",
@@ -222,6 +226,22 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path: Path, mon
     assert checkpoint.load(tmp_path / "checkpoints" / "last.pt")["step"] == 1
 
 
+def test_best_and_the_step_checkpoint_of_the_same_step_are_written_once(tmp_path: Path):
+    """At an epoch end that is also a new best, best.pt is a second name of the step file (a ResNet's
+    checkpoint is hundreds of MB); pruning the step file later leaves best.pt intact."""
+    keeper = checkpoint.Checkpointer(tmp_path, keep_last_k=1)
+    keeper.save(_state(1), periodic=True, best=True)
+    step1, best = checkpoint.step_file(tmp_path, 1), tmp_path / "checkpoints" / "best.pt"
+    assert step1.stat().st_ino == best.stat().st_ino
+    keeper.save(_state(2), periodic=True, best=False)
+    assert not step1.exists() and checkpoint.load(best)["step"] == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "best.pt",
+        "last.pt",
+        "step-00000002.pt",
+    ]
+
+
 def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path: Path, caplog):
     keeper = checkpoint.Checkpointer(tmp_path, keep_last_k=5)
     keeper.save(_state(1), periodic=True, best=False)
@@ -240,7 +260,7 @@ def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path:
 def test_less_common_settings_take_effect(tmp_path: Path):
     """eval_every_steps adds mid-epoch evaluations, measure_comm=false drops the comm tags, best.pt
     follows best_metric/best_mode, and deterministic/fused/nesterov runs complete."""
-    result = run_ddpexp(
+    result = run_here(
         tmp_path,
         "strategy=ddp",
         *QUICK,
@@ -326,7 +346,7 @@ def test_buffered_scalars_reach_the_event_file_before_a_checkpoint_and_at_close(
     recorder = Recorder(tmp_path, facts={}, progress=False)
     recorder.scalars(1, {"train/loss": 2.0})
     recorder.scalars(2, {"train/loss": 1.5})
-    recorder.save_checkpoint(_state(2), periodic=True, best=False)
+    recorder.flush()  # what the checkpoint keeper does before rank 0 writes a checkpoint
     assert logged_steps("train/loss") == [1, 2]  # a resume from step 2 keeps both points
     recorder.scalars(3, {"train/loss": 1.0})
     recorder.close("interrupted")

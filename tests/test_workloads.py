@@ -11,7 +11,7 @@ import pytest
 
 from ddpexp.data.imdb import Vocab
 
-from .conftest import metrics, run_ddpexp
+from .conftest import metrics, run_here
 from .fake_data import write_aclimdb, write_cifar10, write_image_folder, write_mnist
 
 pytestmark = pytest.mark.multiproc
@@ -42,7 +42,7 @@ def test_advertised_pairs_train_under_single_and_ddp(name: str, tmp_path: Path):
     root = tmp_path / "datasets"
     _write(writer, root)
     extra = [f"++data.root={root}"] if writer is not None else []  # ++: the data group is swept
-    result = run_ddpexp(tmp_path, *FEW, *args, *extra, "hydra.sweep.dir=sweep", timeout=400)
+    result = run_here(tmp_path, *FEW, *args, *extra, "hydra.sweep.dir=sweep")
     assert result.returncode == 0, result
     runs = sorted(p.parent for p in (tmp_path / "sweep").rglob("metrics.json"))
     jobs = math.prod(len(a.split("=")[1].split(",")) for a in [*args, "strategy=single,ddp"])

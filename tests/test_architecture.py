@@ -1,0 +1,143 @@
+"""The architecture as a user meets it: a strategy added from outside the package, the in-process
+API (`ddpexp.run`, `ddpexp.sweep`, `ddpexp.load_model`), an optimising sweeper, per-job clocks, and
+mypy checking strategies against their contract."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpexp
+
+from .conftest import PARITY, QUICK, REPO, metrics, run_here
+
+TEST_CONF = str(REPO / "tests" / "conf")
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> ddpexp.Result:
+    """The composition root end to end in this process: ddpexp.run, strategy=single, synthetic data."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    return ddpexp.run([*PARITY, f"hydra.run.dir={run_dir}"])  # PARITY: as parity_sweep's, in this process
+
+
+def test_run_returns_the_result_of_a_job_run_in_this_process(single_run: ddpexp.Result):
+    assert single_run.exit_code == 0 and single_run.status == "completed"
+    assert single_run.final["step"] == 5 and single_run.facts["strategy"] == "single"
+    assert single_run.best_value == single_run.best["eval/acc"]
+    assert (single_run.run_dir / "model.pt").exists() and (single_run.run_dir / "config.yaml").exists()
+
+
+def test_load_model_gives_the_trained_plain_module(single_run: ddpexp.Result):
+    from ddpexp.data.synthetic import synthetic
+
+    model = ddpexp.load_model(single_run.run_dir)
+    assert isinstance(model, torch.nn.Module) and not model.training
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, _weights(single_run.run_dir)[name])
+    x, y = synthetic().load(Path(".")).eval.tensors  # type: ignore[misc]
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).double().mean().item()
+    assert accuracy == pytest.approx(single_run.final["eval/acc"], abs=1e-12)
+    from_checkpoint = ddpexp.load_model(single_run.run_dir / "checkpoints" / "last.pt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in from_checkpoint.state_dict().items())
+
+
+def test_bad_input_raises_a_user_error_instead_of_exiting(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ddpexp.UserError, match=r"trainer\.epochs"):
+        ddpexp.run(["trainer.epochs=0"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.multiproc
+def test_a_strategy_added_from_tests_trains_through_the_cli(single_run: ddpexp.Result, tmp_path, monkeypatch):
+    """tests/tiny_strategy.py registers `tiny` and tests/conf/strategy/tiny.yaml selects it: the package
+    is unchanged. Through the command line it trains on 2 processes (which import the module
+    themselves) to single's weights at the same global batch; its own setting reaches it (average=false
+    sums the gradients, and training then differs); a setting it does not have is refused."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the workers find tests.tiny_strategy as a user's would
+    args = ["--config-dir", TEST_CONF, "-m", "strategy=tiny", "strategy.average=true,false", *PARITY]
+    result = run_here(tmp_path, *args, "hydra.sweep.dir=s")
+    assert result.returncode == 0, result
+    averaged, summed = tmp_path / "s" / "strategy.average=True", tmp_path / "s" / "strategy.average=False"
+    assert metrics(averaged)["facts"]["world_size"] == 2 and metrics(averaged)["facts"]["strategy"] == "tiny"
+    reference = _weights(single_run.run_dir)
+    for name, value in _weights(averaged).items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+    assert not all(torch.allclose(v, reference[k], atol=1e-4) for k, v in _weights(summed).items())
+    for extra in ("strategy.stages=2", "+strategy.stages=2"):  # at composition, and after forcing it in
+        refused = run_here(tmp_path, "--config-dir", TEST_CONF, "strategy=tiny", extra)
+        assert refused.returncode == 2 and "strategy.stages" in refused.stderr, refused
+    assert "Key 'stages' not in 'TinyConfig'" in refused.stderr
+
+
+def test_an_optimising_sweeper_gets_each_job_s_best_metric(tmp_path: Path, monkeypatch):
+    """Optuna picks optim.lr from an interval (which the basic sweeper cannot expand); each trial's
+    task returns its best eval accuracy, and the study's best value is the best of the trials."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    results = ddpexp.sweep(
+        [
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.direction=maximize",
+            "optim.lr=interval(0.001,0.1)",
+            "trainer.epochs=1",
+            "trainer.progress=false",
+            "hydra.sweep.dir=sweep",
+        ]
+    )
+    assert [r.status for r in results] == ["completed", "completed"]
+    lrs = [r.facts["lr"] for r in results]
+    assert len(set(lrs)) == 2 and all(0.001 <= lr <= 0.1 for lr in lrs)
+    study = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+    assert study["best_value"] == max(r.best_value for r in results)  # type: ignore[type-var]
+
+
+def test_each_job_of_a_sweep_starts_its_own_clock(tmp_path: Path, monkeypatch):
+    """time_to_first_step_s counts from the job's start, not the sweep's: job k's clock starts after
+    job k-1 ended, and every job's time to first step is its own start-up only."""
+    monkeypatch.chdir(tmp_path)
+    results = ddpexp.sweep([*QUICK, "trainer.max_steps=1", "seed=0,1,2", "hydra.sweep.dir=sweep"])
+    starts = [r.facts["job_started_at"] for r in results]
+    ends = [metrics(r.run_dir)["started_at"] + metrics(r.run_dir)["wall_s"] for r in results]
+    assert all(later >= end for later, end in zip(starts[1:], ends[:-1], strict=True)), (starts, ends)
+    for start, end, r in zip(starts, ends, results, strict=True):
+        assert 0 < metrics(r.run_dir)["time_to_first_step_s"] < end - start  # within its own job
+
+
+def test_mypy_checks_strategies_against_the_contract(tmp_path: Path):
+    """A strategy whose wrap() takes the wrong settings type, or misses `ctx`, fails the type check."""
+    bad = tmp_path / "bad_strategy.py"
+    bad.write_text(
+        "from dataclasses import dataclass\n"
+        "from torch import nn\n"
+        "from ddpexp.config import StrategyConfig\n"
+        "from ddpexp.strategies import Strategy, Wrapped, register\n"
+        "from ddpexp.strategies.ddp import DdpConfig\n\n"
+        "@dataclass\nclass BadConfig(StrategyConfig):\n    name: str = 'bad'\n\n"
+        "@register\nclass Bad(Strategy[BadConfig]):\n    name = 'bad'\n    schema = BadConfig\n\n"
+        "    def wrap(self, model: nn.Module, settings: DdpConfig, *, measure_comm: bool) -> Wrapped:\n"
+        "        return Wrapped(module=model, base=model)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy", "--follow-imports=silent", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "MYPYPATH": str(REPO)},
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout
+    assert 'Signature of "wrap" incompatible with supertype "ddpexp.strategies.Strategy"' in proc.stdout
