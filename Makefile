@@ -33,4 +33,4 @@ constraints: $(STAMP)
 	{ head -2 constraints.txt; $(PY) -m pip freeze --exclude-editable | sort -f; } > constraints.new && mv constraints.new constraints.txt
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun runs .pytest_cache .mypy_cache .ruff_cache
