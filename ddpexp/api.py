@@ -98,6 +98,7 @@ def load_model(path: str | Path) -> nn.Module:
     from .errors import UserError
     from .job import CONFIG_FILE, typed
     from .preflight import instantiate_data
+    from .weights import fit
 
     path = Path(path)
     if path.is_dir():
@@ -114,5 +115,5 @@ def load_model(path: str | Path) -> nn.Module:
         weights, config = state["model"], state["config"]
     cfg = typed(config)
     model = models.build(cfg.model, instantiate_data(cfg.data).info())
-    model.load_state_dict(weights)
+    model.load_state_dict(fit(weights, model, source=path, setting="path").state)
     return model.eval()

@@ -11,6 +11,11 @@ A checkpoint is a plain dictionary of tensors and containers, loadable with
     config       the resolved config as plain containers
     metrics      best-so-far bookkeeping
 
+Weights saved any other common way load too (`state_dict_of`): a bare state_dict such as model.pt or
+torchvision's pretrained files, a dict holding one (`model_state_dict`, `state_dict`, `model`), and
+the keys of a DDP/DataParallel or torch.compile'd model (`module.`, `_orig_mod.`). Fitting them to
+the configured model (names, shapes, strict or not): weights.py.
+
 Files live in <run dir>/checkpoints/: step-00000123.pt (the newest `checkpoint.keep_last_k` kept),
 best.pt (best eval metric so far), last.pt (a symlink to the newest step file). Every file is written
 to a temporary name in the same directory, fsynced, then renamed: a crash or a full disk while saving
@@ -179,13 +184,35 @@ def load(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {first})") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint")
-    if "format" not in state:  # a bare state_dict (model.pt): weights only
-        if not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CheckpointError(f"{path} is neither a ddpexp checkpoint nor a model state_dict")
-        return {"model": state}
+    if "format" not in state:  # weights saved some other way (model.pt, a tutorial's, torchvision's)
+        return {"model": state_dict_of(state, path)}
     if state["format"] != FORMAT:
         raise CheckpointError(f"{path} has checkpoint format {state['format']}, this ddpexp reads {FORMAT}")
-    return state
+    return {**state, "model": state_dict_of(state["model"], path)}
+
+
+# What training scripts wrap their weights in: tutorial 001's {'epoch', 'model_state_dict',
+# 'optimizer_state_dict'}, Lightning-style {'state_dict': ...}, {'model': ...}.
+WEIGHT_KEYS = ("model_state_dict", "state_dict", "model")
+# What wrappers put in front of every key: DistributedDataParallel/DataParallel, torch.compile.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def state_dict_of(saved: dict[str, Any], source: Path | str) -> dict[str, torch.Tensor]:
+    """The plain state_dict in whatever a training script saved: a bare state_dict, or one held under
+    `model_state_dict`/`state_dict`/`model` next to other entries, with the `module.` (DDP, DP) and
+    `_orig_mod.` (torch.compile) prefixes of wrapped models removed. The one reader of foreign
+    weights: resuming, evaluating, model.weights and ddpexp.load_model all go through it."""
+    inner = next((saved[k] for k in WEIGHT_KEYS if isinstance(saved.get(k), dict)), saved)
+    if not inner or not all(isinstance(v, torch.Tensor) for v in inner.values()):
+        raise CheckpointError(
+            f"{source} is neither a ddpexp checkpoint nor a model state_dict (its entries: "
+            f"{some(sorted(map(str, saved)))}; weights are looked for under {', '.join(WEIGHT_KEYS)})"
+        )
+    weights: dict[str, torch.Tensor] = dict(inner)
+    while prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None):
+        weights = {k[len(prefix) :]: v for k, v in weights.items()}
+    return weights
 
 
 def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -216,35 +243,7 @@ def resolve(resume: str, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         ) from exc
 
 
-def check_resume(resume: str | None, model: torch.nn.Module) -> None:
-    """Pre-flight: an explicit checkpoint path must exist, load, and fit the configured model."""
-    if resume and resume != "auto":
-        found = resolve(resume, Path("."))
-        assert found is not None
-        check_matches(found[1]["model"], model, found[0])
-
-
-def check_matches(weights: dict[str, Any], model: torch.nn.Module, path: Path | str) -> None:
-    """A checkpoint's weights must fit the configured model: same parameter/buffer names and shapes.
-    Works on a model built on the meta device, so pre-flight can check without allocating it."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
-    problems = []
-    if missing := [k for k in expected if k not in found]:
-        problems.append(f"missing {_some(missing)}")
-    if unexpected := [k for k in found if k not in expected]:
-        problems.append(f"unexpected {_some(unexpected)}")
-    differ = [k for k in expected if k in found and found[k] != expected[k]]
-    if shapes := [f"{k} {found[k]} vs {expected[k]}" for k in differ]:
-        problems.append(f"different shapes (checkpoint vs model) {_some(shapes)}")
-    if problems:
-        raise UserError(
-            f"{path} does not fit the configured model: {'; '.join(problems)}",
-            setting="trainer.resume",
-            fix="choose the model (and data) the checkpoint was trained with, or another checkpoint",
-        )
-
-
-def _some(names: list[str], shown: int = 3) -> str:
+def some(names: list[str], shown: int = 3) -> str:
+    """The first few names of a list, for a one-line message."""
     more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more

@@ -31,6 +31,8 @@ Frequent settings (full list: python -m ddpexp --cfg job):
   trainer.precision=32|bf16|fp16  trainer.accumulate=K  trainer.clip_grad_norm=X  trainer.compile=true
   optim.schedule=constant|step|cosine  optim.warmup_steps=N  optim.scale_rule=none|linear|sqrt
   checkpoint.every_epochs=1  checkpoint.every_steps=N  trainer.resume=auto|PATH  trainer.mode=train|eval
+  model.weights=PATH (initial weights; model.weights_strict=false: only what fits, e.g. a new head)
+  model._target_=my_models.Net  data._target_=my_models.dataset (your own, from this directory)
 
 Outputs: each run directory holds config.yaml, plan.json, metrics.json, model.pt, TensorBoard events, logs/.
   tensorboard --logdir outputs/  (or a multirun/ sweep directory)

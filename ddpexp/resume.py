@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, weights
 from .context import RunContext
 from .engine import Engine, Position
 from .recorder import Best, NullRecorder
@@ -107,8 +107,8 @@ class CheckpointKeeper:
         optimizer, schedule, position and (for the same layout) every rank's random streams."""
         path, state = found
         e = self.engine
-        checkpoint.check_matches(state["model"], e.model.base, path)
-        self.strategy.load_model_state(e.model, state["model"])
+        fitted = weights.fit(state["model"], e.model.base, source=path, setting="trainer.resume")
+        self.strategy.load_model_state(e.model, fitted.state)
         if not train or "optimizer" not in state:
             log.info("loaded weights from %s", path)
             return

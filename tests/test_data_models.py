@@ -159,7 +159,8 @@ def test_resnet_cifar_stem_keeps_32px_resolution():
     from ddpexp.data import DataInfo
 
     model = models.build(cfg.model, DataInfo(num_classes=10, input_shape=(1, 32, 32)))
-    assert model.stem(torch.zeros(2, 1, 32, 32)).shape == (2, 64, 32, 32)
+    stem = model.stages()[0]
+    assert stem(torch.zeros(2, 1, 32, 32)).shape == (2, 64, 32, 32)
 
 
 @pytest.mark.parametrize(

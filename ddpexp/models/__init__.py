@@ -1,8 +1,14 @@
-"""Models. Each is a build function named by `_target_` in conf/model/*.yaml.
+"""Models. Each is a build function (or class) named by `_target_` in conf/model/*.yaml, or on the
+command line: `model._target_=my_models.Net` builds your own.
 
-Build functions receive `num_classes` and `input_shape` from the dataset (never hand-copied between
-YAML files). Models also say how they split into pipeline stages for model parallelism: `stages()`
-returns submodules whose composition, in order, is the forward pass.
+The dataset's facts are wired into the build function, never hand-copied between YAML files: it
+receives those of `num_classes`, `input_shape`, `vocab_size` and `pad_index` (text) that it declares
+as parameters. A build function that takes `**kwargs` instead (torchvision's and timm's
+`resnet18(*, weights=None, progress=True, **kwargs)`) receives `num_classes` only, their convention.
+
+`model.weights` and `model.weights_strict` are ddpexp's settings (initial weights, see weights.py),
+never arguments of the build function. Models may also say how they split into pipeline stages for
+model parallelism: `stages()` returns submodules whose composition, in order, is the forward pass.
 """
 
 from __future__ import annotations
@@ -21,16 +27,19 @@ def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
     """The dataset-derived arguments the model's build function takes; a conflicting value forced by
     the user, or a text model on images (and vice versa), is an error."""
     offered = info.model_kwargs()
-    accepted = _parameters(model_cfg)
+    found = _parameters(model_cfg)
     target = model_cfg.get("_target_", "?")
-    if accepted is not None:
-        if "vocab_size" in offered and "vocab_size" not in accepted:
+    if found is not None:
+        accepted, takes_kwargs = found
+        if takes_kwargs:  # torchvision's/timm's convention: num_classes, the rest is the model's own
+            accepted = accepted | set(KWARGS_GET)
+        elif "vocab_size" in offered and "vocab_size" not in accepted:
             raise UserError(
                 f"{target} reads images but this dataset gives token ids",
                 setting="model",
                 fix="use a text model (model=gcnn or model=embbag) with data=imdb",
             )
-        if "vocab_size" in accepted and "vocab_size" not in offered:
+        elif "vocab_size" in accepted and "vocab_size" not in offered:
             raise UserError(
                 f"{target} reads token ids but this dataset gives images",
                 setting="model",
@@ -52,8 +61,15 @@ def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
     return wired
 
 
-def _parameters(model_cfg: DictConfig) -> set[str] | None:
-    """Keyword parameters of the build function, or None if it takes **kwargs (then pass all)."""
+# ddpexp's own settings in the model group: read by weights.py, never passed to the build function.
+SETTINGS = ("weights", "weights_strict")
+# What a build function that takes **kwargs is given (the torchvision/timm convention).
+KWARGS_GET = ("num_classes",)
+
+
+def _parameters(model_cfg: DictConfig) -> tuple[set[str], bool] | None:
+    """(the build function's parameter names, whether it takes **kwargs); None if it cannot be found
+    (instantiate reports that)."""
     import inspect
 
     from hydra.utils import get_method
@@ -63,10 +79,11 @@ def _parameters(model_cfg: DictConfig) -> set[str] | None:
         params = inspect.signature(fn).parameters.values()
     except Exception:
         return None  # instantiate() will report the bad target
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params}
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}, takes_kwargs
 
 
 def build(model_cfg: DictConfig, info: DataInfo) -> nn.Module:
-    return instantiate(model_cfg, **wired_kwargs(model_cfg, info), _convert_="all")
+    """The model, randomly initialised (model.weights are loaded by the caller: weights.load_initial)."""
+    arguments = OmegaConf.masked_copy(model_cfg, [str(k) for k in model_cfg if k not in SETTINGS])
+    return instantiate(arguments, **wired_kwargs(model_cfg, info), _convert_="all")
