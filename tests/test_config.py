@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose
 
-from ddpexp import models, optim
+from ddpexp import models, optim, tasks
 from ddpexp.composition import conf_dir
 from ddpexp.data import DataSource
 from ddpexp.help import help_text
@@ -41,6 +41,10 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         overrides.append("data=imdb")
     if group == "data" and option == "imdb":
         overrides.append("model=gcnn")
+    if (group, option) == ("data", "synthetic_regression"):
+        overrides += ["model=toy", "task=regression"]
+    if (group, option) == ("task", "regression"):
+        overrides += ["model=toy", "data=synthetic_regression"]
     data = (
         option
         if group == "data"
@@ -55,6 +59,7 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
     source.check()
     model = models.build(cfg.model, source.info())
     assert sum(p.numel() for p in model.parameters()) > 0
+    tasks.build(cfg.task).check(source.info().targets)
     optimizer = optim.build(model.parameters(), cfg.optim)
     assert optimizer.param_groups[0]["lr"] == cfg.optim.lr
     p = plan(cfg, CPU_HOST)

@@ -23,8 +23,9 @@ WORKLOADS = {
     "mnist": (["model=convnet", "data=mnist,fashion_mnist"], write_mnist),
     "cifar10": (["model=resnet18", "model.cifar_stem=true", "data=cifar10"], write_cifar10),
     "image_folder": (["model=resnet34", "data=image_folder", "data.image_size=32"], write_image_folder),
-    "imdb": (["model=gcnn,embbag", "data=imdb"], write_aclimdb),
+    "imdb": (["model=gcnn,embbag", "data=imdb", "task=binary"], write_aclimdb),  # BCE, as tutorial 001
     "digits": (["model=toy", "data=digits"], None),
+    "regression": (["model=toy", "data=synthetic_regression", "task=regression"], None),  # tutorial 004
 }
 
 
@@ -53,6 +54,9 @@ def test_advertised_pairs_train_under_single_and_ddp(name: str, tmp_path: Path):
         assert m["final"]["step"] == 3 and math.isfinite(m["final"]["train/loss"])
         assert m["final"]["eval/samples"] == m["facts"]["eval_samples"]
         assert m["facts"]["world_size"] == (2 if m["facts"]["strategy"] == "ddp" else 1)
+        if name == "regression":
+            assert m["facts"]["best_metric"] == "eval/mse" and m["facts"]["best_mode"] == "min"
+            assert m["final"]["eval/mse"] == m["final"]["eval/loss"] and "eval/acc" not in m["final"]
     if name == "imdb":  # one vocabulary per run, built by rank 0, the same for every run on this data
         prints = set()
         for run in runs:

@@ -1,0 +1,197 @@
+"""What the model is trained to do: the training loss and the exact evaluation metrics (conf/task).
+
+A task turns a micro-batch's outputs and targets into the training loss, and an eval batch into sums
+(loss, metric numerators, sample count) that are added up over batches and all-reduced over ranks,
+so every eval metric counts each sample exactly once whatever the world size. The task also says
+which metric is "best" (checkpoint.best_metric / best_mode default to it).
+
+  classification  cross-entropy on logits; eval/acc (argmax), eval/top<k> with topk=k
+  nll             negative log-likelihood on log-probabilities (a model ending in log_softmax)
+  binary          BCE on logits (the tutorials' IMDB way: one output per class against one-hot
+                  targets, or one output against 0/1); eval/acc
+  regression      MSE on float targets; eval/mse and eval/mae (best: eval/mse, min)
+
+`task.loss._target_=...` replaces a task's loss with your own module or function `(outputs, targets)
+-> mean loss`; evaluation then sums loss x batch size, which is exact for mean-reduced losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import BestMode
+from .errors import UserError
+
+Loss = Callable[[Tensor, Tensor], Tensor]
+
+
+class Task:
+    name: ClassVar[str] = "task"
+    targets: ClassVar[str] = "class"  # what the dataset must give: "class" indices or float "value"s
+    best_metric: ClassVar[str] = "eval/acc"
+    best_mode: ClassVar[BestMode] = BestMode.max
+    metrics: tuple[str, ...] = ()  # eval metrics besides eval/loss, in metric_sums' order
+
+    def __init__(self, loss: Loss | None = None) -> None:
+        self.custom_loss = loss
+
+    def check(self, targets: str) -> None:
+        """Refuse a dataset whose targets this task cannot learn (pre-flight)."""
+        if targets != self.targets:
+            kind = "class labels" if targets == "class" else "float values"
+            fix = "task=regression" if targets == "value" else "task=classification (or binary, nll)"
+            raise UserError(
+                f"task={self.name} cannot learn this dataset's {kind}", setting="task", fix=f"use {fix}"
+            )
+
+    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """The micro-batch's mean loss (what backward runs on)."""
+        if self.custom_loss is not None:
+            return self.custom_loss(outputs, self.prepare(outputs, targets))
+        return self.builtin_loss(outputs, self.prepare(outputs, targets))
+
+    def prepare(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return targets
+
+    def builtin_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def sample_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Each sample's loss (built-in losses), summed in float64 for evaluation."""
+        raise NotImplementedError
+
+    def metric_sums(self, outputs: Tensor, targets: Tensor) -> list[Tensor]:
+        """Each metric's per-sample values (summed in float64 by eval_sums)."""
+        return []
+
+    def eval_sums(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """[loss sum, metric numerators..., samples] of one eval batch, as float64."""
+        outputs = outputs.float()
+        prepared = self.prepare(outputs, targets)
+        n = targets.shape[0]
+        if self.custom_loss is not None:
+            loss_sum = self.custom_loss(outputs, prepared).double() * n
+        else:
+            loss_sum = self.sample_losses(outputs, prepared).double().sum()
+        parts = [loss_sum, *(m.double().sum() for m in self.metric_sums(outputs, prepared))]
+        return torch.stack([*parts, torch.tensor(float(n), dtype=torch.float64, device=outputs.device)])
+
+    def finish(self, sums: list[float]) -> dict[str, float]:
+        """Metrics from the all-reduced sums (the denominator is the sample count unless overridden)."""
+        *numerators, count = sums
+        values = {"eval/loss": numerators[0] / count}
+        values |= {name: v / count for name, v in zip(self.metrics, numerators[1:], strict=True)}
+        return values | {"eval/samples": count}
+
+
+class Classification(Task):
+    name = "classification"
+
+    def __init__(self, loss: Loss | None = None, topk: int | None = None) -> None:
+        super().__init__(loss)
+        if topk is not None and topk < 2:
+            raise UserError(
+                f"is {topk}; top-1 is eval/acc", setting="task.topk", fix="use 2 or more, or null"
+            )
+        self.topk = topk
+        self.metrics = ("eval/acc",) + ((f"eval/top{topk}",) if topk else ())
+
+    def builtin_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(outputs.float(), targets)
+
+    def sample_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(outputs, targets, reduction="none")
+
+    def metric_sums(self, outputs: Tensor, targets: Tensor) -> list[Tensor]:
+        sums = [outputs.argmax(dim=1) == targets]
+        if self.topk:
+            k = min(self.topk, outputs.shape[1])
+            sums.append((outputs.topk(k, dim=1).indices == targets[:, None]).any(dim=1))
+        return sums
+
+
+class NLL(Classification):
+    name = "nll"
+
+    def builtin_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.nll_loss(outputs.float(), targets)
+
+    def sample_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.nll_loss(outputs, targets, reduction="none")
+
+
+class Binary(Task):
+    """BCE with logits. Several outputs: one per class against one-hot targets (seed 001 on IMDB);
+    one output: the logit of class 1 against 0/1 targets."""
+
+    name = "binary"
+    metrics = ("eval/acc",)
+
+    def prepare(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        if outputs.dim() == 2 and outputs.shape[1] > 1:
+            return F.one_hot(targets, outputs.shape[1]).to(outputs.dtype)
+        return targets.to(outputs.dtype).reshape(outputs.shape)
+
+    def builtin_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.binary_cross_entropy_with_logits(outputs.float(), targets.float())
+
+    def sample_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        losses = F.binary_cross_entropy_with_logits(outputs, targets, reduction="none")
+        return losses.reshape(losses.shape[0], -1).mean(dim=1)
+
+    def metric_sums(self, outputs: Tensor, targets: Tensor) -> list[Tensor]:
+        if outputs.dim() == 2 and outputs.shape[1] > 1:
+            return [outputs.argmax(dim=1) == targets.argmax(dim=1)]
+        return [((outputs > 0) == (targets > 0.5)).reshape(-1)]
+
+
+class Regression(Task):
+    """MSE on float targets shaped like the outputs. eval/mse and eval/mae are means over every output
+    element (as nn.MSELoss and nn.L1Loss compute them); eval/loss is eval/mse."""
+
+    name = "regression"
+    targets = "value"
+    best_metric = "eval/mse"
+    best_mode = BestMode.min
+    metrics = ("eval/mse", "eval/mae")
+
+    def prepare(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return targets.to(outputs.dtype).reshape(outputs.shape)
+
+    def builtin_loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return F.mse_loss(outputs.float(), targets.float())
+
+    def sample_losses(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return (outputs - targets).pow(2).reshape(outputs.shape[0], -1).mean(dim=1)
+
+    def metric_sums(self, outputs: Tensor, targets: Tensor) -> list[Tensor]:
+        err = (outputs - targets).reshape(outputs.shape[0], -1)
+        return [err.pow(2).mean(dim=1), err.abs().mean(dim=1)]
+
+
+def build(task_cfg: Any) -> Task:
+    from hydra.utils import instantiate
+
+    task = instantiate(task_cfg, _convert_="all")
+    if not isinstance(task, Task):
+        raise UserError(
+            f"{task_cfg.get('_target_')} is not a ddpexp.tasks.Task",
+            setting="task._target_",
+            fix="subclass ddpexp.tasks.Task, or keep a built-in task and set task.loss._target_ to your loss",
+        )
+    return task
+
+
+def best_of(cfg: Any) -> tuple[str, BestMode]:
+    """checkpoint.best_metric / best_mode, defaulting to the task's own."""
+    from hydra.utils import get_class
+
+    task_class: Any = get_class(cfg.task._target_)
+    metric = cfg.checkpoint.best_metric or task_class.best_metric
+    mode = cfg.checkpoint.best_mode or task_class.best_mode
+    return metric, BestMode(mode)
