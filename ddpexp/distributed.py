@@ -82,3 +82,18 @@ def gather_objects(obj: object) -> list[object]:
 def barrier() -> None:
     if active():
         dist.barrier()
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics...): without sync_bn each rank's
+    drift apart, and model.pt holds rank 0's. One broadcast per device and dtype."""
+    if not active():
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for buf in module.buffers():
+        groups.setdefault((buf.device, buf.dtype), []).append(buf)
+    for tensors in groups.values():
+        flat = torch._utils._flatten_dense_tensors(tensors)
+        dist.broadcast(flat, src=0)
+        for buf, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
+            buf.copy_(synced)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Strategies shipped with ddpexp: the module ddpexp.strategies.<name> registers each.
-BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce")
+BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp")
 
 C = TypeVar("C", bound=StrategyConfig)
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -59,7 +59,10 @@ class Wrapped:
     ``eval_module`` runs evaluation on this process's shard without any collective (default:
     ``base``; a multi-device pipeline for model parallelism). ``no_sync`` suppresses gradient
     synchronisation for all but the last micro-batch of an accumulated step; ``sync_grads`` runs after
-    the last backward of a step, before the optimizer.
+    the last backward of a step, before the optimizer. ``sync_buffers`` makes this rank's buffers
+    (BatchNorm running statistics) those of rank 0 before every evaluation and save, so that the
+    distributed evaluation scores exactly what model.pt holds (default: broadcast ``base``'s buffers
+    from rank 0; a strategy whose ranks hold different parts of the model replaces it).
     """
 
     module: nn.Module
@@ -68,10 +71,19 @@ class Wrapped:
     sync_grads: Callable[[], None] = field(default=lambda: None)
     eval_module: nn.Module | None = None
     comm: CommMeter | None = None  # set by strategies that communicate gradients (and measure it)
+    sync_buffers: Callable[[], None] | None = None
+    # True when the training module's forward is itself collective (FSDP gathers parameters): every
+    # rank then runs as many eval forwards as the rank with the most eval batches (see Engine.evaluate).
+    collective_eval: bool = False
 
     def __post_init__(self) -> None:
         if self.eval_module is None:
             self.eval_module = self.base
+        if self.sync_buffers is None:
+            from .. import distributed
+
+            base = self.base
+            self.sync_buffers = lambda: distributed.broadcast_buffers(base)
 
 
 class Strategy(ABC, Generic[C]):

@@ -1,0 +1,184 @@
+"""fsdp: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer
+state sharded across ranks, parameters all-gathered for each unit's forward and backward, gradients
+reduce-scattered.
+
+Shard units are the model's blocks: a shipped model declares them with `shard_units()` (or, failing
+that, its `stages()`, the blocks it already declares for ddp_mp); each unit is wrapped with
+fully_shard, then the root. Any other model is sharded as one unit, with a warning (it then all-gathers
+every parameter at once, which saves no memory at peak).
+
+- reshard_after_forward=true frees a unit's gathered parameters after its forward and gathers them
+  again for backward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one
+  all-gather fewer per step).
+- mixed_precision=bf16|fp16 computes with parameters cast to that dtype and reduces gradients in it;
+  the sharded master parameters and the optimizer stay fp32.
+- cpu_offload=true keeps the sharded parameters, gradients and optimizer state in host memory.
+
+Checkpoints hold the full, unsharded state (torch.distributed.checkpoint.state_dict's full-state-dict
+helpers, gathered on rank 0 and offloaded to CPU), so model.pt loads into a plain nn.Module and a run
+may resume under another strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..config import StrategyConfig
+from ..errors import UserError
+from . import Strategy, Wrapped, maybe_sync_bn, register
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ..context import RunContext
+    from ..validate import HostFacts, Plan
+
+log = logging.getLogger(__name__)
+
+
+class MixedPrecision(StrEnum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+@dataclass
+class FsdpConfig(StrategyConfig):
+    name: str = "fsdp"
+    # true: free gathered parameters after each unit's forward (ZeRO-3-like); false: keep them for the
+    # backward (ZeRO-2-like).
+    reshard_after_forward: bool = True
+    # null: fp32 throughout; bf16/fp16: parameters for compute and gradient reduction in that dtype.
+    mixed_precision: MixedPrecision | None = None
+    # Sharded parameters, gradients and optimizer state in host memory.
+    cpu_offload: bool = False
+    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch).
+    sync_bn: bool = False
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks each wrapped with fully_shard (the model's own declaration), [] if it has none."""
+    for name in ("shard_units", "stages"):
+        declared = getattr(model, name, None)
+        if callable(declared):
+            return [m for m in declared() if any(True for _ in m.parameters())]
+    return []
+
+
+@register
+class FSDP(Strategy[FsdpConfig]):
+    name = "fsdp"
+    schema = FsdpConfig
+
+    def check(self, settings: FsdpConfig, *, plan: Plan, host: HostFacts) -> None:
+        if settings.mixed_precision == MixedPrecision.fp16 and plan.device_type != "cuda":
+            raise UserError(
+                "fp16 mixed precision needs CUDA (its gradients need loss scaling the CPU path lacks)",
+                setting="strategy.mixed_precision",
+                fix="use strategy.mixed_precision=bf16 on CPU",
+            )
+        if settings.cpu_offload and plan.device_type != "cuda":
+            raise UserError(
+                "cpu_offload moves GPU shards to host memory; this run is on the CPU already",
+                setting="strategy.cpu_offload",
+                fix="drop strategy.cpu_offload (or run on GPUs)",
+            )
+        if plan.world_size == 1:
+            log.warning("fsdp on one rank shards nothing: its settings change nothing but speed")
+
+    def wrap(self, model: nn.Module, settings: FsdpConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type)
+        if not settings.cpu_offload:
+            model = model.to(ctx.device)
+        kwargs: dict[str, Any] = {"reshard_after_forward": settings.reshard_after_forward}
+        if settings.mixed_precision is not None:
+            dtype = torch.bfloat16 if settings.mixed_precision == MixedPrecision.bf16 else torch.float16
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        if settings.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        units = shard_units(model)
+        if not units:
+            log.warning(
+                "%s declares no shard units (shard_units() or stages()): sharded as one unit, so every "
+                "parameter is gathered at once",
+                type(model).__name__,
+            )
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        fsdp: Any = model
+        return Wrapped(module=model, base=model, no_sync=lambda: _no_grad_sync(fsdp), collective_eval=True)
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state: Any = get_model_state_dict(wrapped.base, options=options)
+        return state
+
+    def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: Any = state
+        set_model_state_dict(wrapped.base, full, options=StateDictOptions(full_state_dict=True))
+
+    def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_optimizer_state_dict(wrapped.base, optimizer, options=options)
+        return _by_index(full, wrapped.base) if full else {}
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(
+            wrapped.base,
+            optimizer,
+            _by_name(state, wrapped.base),
+            options=StateDictOptions(full_state_dict=True),
+        )
+
+
+def _by_index(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """torch.distributed.checkpoint names parameters by their path; a plain optimizer (and so every
+    other strategy's checkpoint) numbers them in model.parameters() order. Checkpoints use the numbers."""
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+
+
+def _by_name(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+
+
+@contextmanager
+def _no_grad_sync(model: Any) -> Iterator[None]:
+    """Accumulation: keep unsharded gradients locally, reduce-scatter only on the last micro-batch."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

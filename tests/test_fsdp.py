@@ -1,0 +1,129 @@
+"""fsdp (FSDP2, fully_shard) on 2 gloo ranks: it trains the same model as `single` at the same global
+batch (both reshard settings, with accumulation, with clipping), evaluates exactly, and its
+checkpoints hold the full state, so runs move between fsdp and the other strategies."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpexp import load_model
+
+from .conftest import PARITY, RESUME, metrics, run_here
+
+pytestmark = pytest.mark.multiproc
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # reduce-scatter sums in another order than one process does
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def assert_close_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name, value in wa.items():
+        torch.testing.assert_close(value, wb[name], **TOLERANCE, msg=name)
+
+
+def test_fsdp_trains_like_single_at_the_same_global_batch(parity_sweep: Path, tmp_path: Path):
+    single = parity_sweep / "strategy=single"
+    sweep = ["-m", "strategy=fsdp", "strategy.reshard_after_forward=true,false", *PARITY, "hydra.sweep.dir=s"]
+    result = run_here(tmp_path, *sweep)
+    assert result.returncode == 0, result
+    for reshard in ("True", "False"):  # Hydra names the sweep directories after the parsed values
+        run = tmp_path / "s" / f"strategy.reshard_after_forward={reshard}"
+        assert_close_weights(run, single)
+        assert metrics(run)["facts"]["world_size"] == 2
+        # exact evaluation: every eval sample once, the same loss as single's on the same weights
+        assert metrics(run)["final"]["eval/samples"] == metrics(single)["final"]["eval/samples"]
+        assert metrics(run)["final"]["eval/loss"] == pytest.approx(
+            metrics(single)["final"]["eval/loss"], rel=1e-5
+        )
+    _assert_memory_is_sharded(tmp_path / "s" / "strategy.reshard_after_forward=True", parity_sweep)
+    accumulated = run_here(tmp_path, "strategy=fsdp", *PARITY, "trainer.accumulate=2", "hydra.run.dir=acc")
+    assert accumulated.returncode == 0, accumulated
+    assert_close_weights(tmp_path / "acc", single)
+
+
+def _assert_memory_is_sharded(fsdp: Path, parity_sweep: Path) -> None:
+    """Bytes per rank, counted exactly: ddp holds every parameter, gradient and momentum buffer on each
+    rank; fsdp holds rank r's dim-0 chunk of each (torch.chunk's split: ceil(n/2) rows, then the rest)."""
+    shapes = [v.shape for v in weights(fsdp).values()]  # mlp: parameters only, no buffers
+    full = sum(math.prod(s) for s in shapes) * 4 / 2**20
+    ddp = metrics(parity_sweep / "strategy=ddp")
+    for rank in ddp["memory_per_rank"]:
+        assert rank == {"mem/params_mb": full, "mem/grads_mb": full, "mem/optim_state_mb": full}
+    sharded = metrics(fsdp)["memory_per_rank"]
+    for r, rank in enumerate(sharded):
+        rows = [min(math.ceil(s[0] / 2), s[0] - r * math.ceil(s[0] / 2)) for s in shapes]
+        mine = sum(n * math.prod(s[1:]) for n, s in zip(rows, shapes, strict=True)) * 4 / 2**20
+        assert rank == {"mem/params_mb": mine, "mem/grads_mb": mine, "mem/optim_state_mb": mine}, r
+    assert sum(rank["mem/params_mb"] for rank in sharded) == pytest.approx(full)
+    assert metrics(fsdp)["final"]["mem/params_mb"] == pytest.approx(full / 2, rel=0.01)  # max over ranks
+
+
+def test_fsdp_clips_the_sharded_gradients_like_single(tmp_path: Path):
+    """Clipping needs the norm of the whole gradient, not of one rank's shard. 65 eval samples split
+    33/32 give the ranks 2 and 1 eval batches: fsdp's collective forwards must still pair up."""
+    clip = [*PARITY, "trainer.clip_grad_norm=0.05", "optim.lr=0.5", "data.num_eval=65"]
+    for strategy in ("single", "fsdp"):
+        result = run_here(tmp_path, f"strategy={strategy}", *clip, f"hydra.run.dir={strategy}")
+        assert result.returncode == 0, result
+    assert_close_weights(tmp_path / "fsdp", tmp_path / "single")
+    ours, theirs = (metrics(tmp_path / s)["final"] for s in ("fsdp", "single"))
+    assert ours["eval/samples"] == theirs["eval/samples"] == 65
+    assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-5)
+    unclipped = run_here(
+        tmp_path, "strategy=single", *clip[:-3], "optim.lr=0.5", "data.num_eval=65", "hydra.run.dir=unclipped"
+    )
+    assert unclipped.returncode == 0, unclipped
+    assert not torch.allclose(
+        weights(tmp_path / "single")["body.1.weight"], weights(tmp_path / "unclipped")["body.1.weight"]
+    )
+
+
+def test_a_ddp_checkpoint_resumes_under_fsdp_and_an_fsdp_one_under_single(uninterrupted, tmp_path: Path):
+    """ddp -> fsdp continues to the uninterrupted ddp run's result; fsdp's checkpoint and model.pt are
+    full, plain state: single scores them identically and resumes training from them."""
+    ddp = uninterrupted("ddp")
+    start = ddp / "checkpoints" / "step-00000064.pt"
+    args = [
+        "strategy=fsdp",
+        *RESUME,
+        "trainer.max_steps=70",
+        f'trainer.resume="{start}"',
+        "hydra.run.dir=fsdp",
+    ]
+    result = run_here(tmp_path, *args)
+    assert result.returncode == 0, result
+    assert_close_weights(tmp_path / "fsdp", ddp)
+    assert isinstance(load_model(tmp_path / "fsdp"), torch.nn.Module)
+    last = tmp_path / "fsdp" / "checkpoints" / "last.pt"
+    scored = run_here(
+        tmp_path,
+        "strategy=single",
+        *RESUME,
+        "trainer.mode=eval",
+        f'trainer.resume="{last}"',
+        "hydra.run.dir=eval",
+    )
+    assert scored.returncode == 0, scored
+    assert metrics(tmp_path / "eval")["final"]["eval/loss"] == pytest.approx(
+        metrics(tmp_path / "fsdp")["final"]["eval/loss"], rel=1e-6
+    )
+    more = [
+        "strategy=single",
+        *RESUME,
+        "trainer.max_steps=75",
+        f'trainer.resume="{last}"',
+        "hydra.run.dir=single",
+    ]
+    resumed = run_here(tmp_path, *more)
+    assert resumed.returncode == 0, resumed
+    state = torch.load(tmp_path / "single" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["step"] == 75 and state["optimizer"]["state"]  # momentum buffers came across
