@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from .errors import UserError
+from .errors import NothingToDo, UserError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +24,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, "")
     from hydra._internal.utils import get_args_parser
 
-    args = get_args_parser().parse_args(argv)
+    args, unknown = get_args_parser().parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=", 1)[0]
+        key = flag.lstrip("-").replace("-", "_")
+        print(
+            f"ddpexp: error: {flag} is not an option: ddpexp takes key=value overrides "
+            f"(fix: e.g. trainer.{key}=3 instead of {flag} 3; python -m ddpexp --help lists the settings)",
+            file=sys.stderr,
+        )
+        sys.exit(UserError.exit_code)
     if args.help:
         from .help import help_text
 
@@ -53,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         overrides = list(args.overrides) + search_path_override(args.config_dir)
         external = ExternalWorld(*world) if world else None
         overrides = preflight(overrides, multirun=args.multirun, external=external, config_name=name)
+    except NothingToDo as done:
+        print(f"ddpexp: {done}", flush=True)
+        sys.exit(0)
     except UserError as exc:
         if world is not None:
             torchrun.publish_error(exc)
@@ -79,6 +91,9 @@ def console() -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:  # Ctrl-C before any job started (pre-flight, imports): one line
+        print("ddpexp: interrupted before anything started", file=sys.stderr)
+        code = 130
     from .launch.worker import exit_now
 
     exit_now(code)

@@ -72,6 +72,7 @@ def expand(
 
     parser = OverridesParser.create()
     parsed = _parse(parser, overrides)
+    _refuse_unknown_additions(parsed)
     if not multirun:
         sweeps = [o.input_line for o in parsed if o.is_sweep_override()]
         if sweeps:
@@ -98,6 +99,47 @@ def expand(
     basic = str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
     choices = [_values(o, every=basic) for o in combined]
     return overrides, [list(job) for job in itertools.product(*choices)], varying
+
+
+def _refuse_unknown_additions(parsed: list[Any]) -> None:
+    """`+key=value` / `++key=value` may add keys to the open sections (model, data, task: arguments of
+    your own build functions) but not to the schema's typed sections, where Hydra would accept and
+    nobody would read it (`+trainer.fast_dev_run=true`)."""
+    import dataclasses
+    import difflib
+
+    from .config import Config
+
+    open_sections = {"model", "data", "task", "strategy", "hydra"}  # strategy: its own schema decides
+    for o in parsed:
+        if not (o.is_add() or o.is_force_add()) or o.key_or_group.split(".", 1)[0] in open_sections:
+            continue
+        if "@" in o.key_or_group or "/" in o.key_or_group:
+            continue  # a config group added under a package: Hydra's own business
+        schema: Any = Config
+        path: list[str] = []
+        for part in o.key_or_group.split("."):
+            known = {f.name: f for f in dataclasses.fields(schema)}
+            if part not in known:
+                where = ".".join(path) or "the top level"
+                close = difflib.get_close_matches(part, list(known), n=1, cutoff=0.6)
+                hint = f"did you mean {'.'.join([*path, close[0]])}?" if close else "python -m ddpexp --help"
+                raise UserError(
+                    f"{o.input_line}: {part!r} is not a setting of {where} ({schema.__name__}); "
+                    "+ cannot add one there",
+                    fix=hint + " (keys of model, data and task may be added with +)",
+                )
+            path.append(part)
+            field_type = _resolved_field_types(schema).get(part)
+            if not dataclasses.is_dataclass(field_type):
+                break
+            schema = field_type
+
+
+def _resolved_field_types(schema: Any) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(schema)
 
 
 def _swept_groups(parsed: list[Any]) -> set[str]:

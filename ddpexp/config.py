@@ -53,7 +53,7 @@ class Precision(Enum):
 
 class Mode(StrEnum):
     train = "train"
-    eval = "eval"  # score the weights of trainer.resume without training
+    eval = "eval"  # score the weights of trainer.resume (or model.weights) without training
 
 
 class OptimizerName(StrEnum):
@@ -71,6 +71,11 @@ class Schedule(StrEnum):
     constant = "constant"
     step = "step"
     cosine = "cosine"
+
+
+class OnNonFinite(StrEnum):
+    stop = "stop"  # fail the run with the step where the loss stopped being finite
+    warn = "warn"  # log a warning and go on
 
 
 class BestMode(StrEnum):
@@ -108,6 +113,9 @@ class DistConfig:
     max_restarts: int = 0
     # How self-launched workers start: forked from a server that imported torch once, or spawned.
     start_method: StartMethod = StartMethod.forkserver
+    # Allow more CPU worker processes on this host than 4 per core (refused otherwise: hundreds of
+    # processes on a few cores stall the machine rather than train).
+    oversubscribe: bool = False
 
 
 @dataclass
@@ -177,6 +185,8 @@ class TrainerConfig:
     measure_comm: bool = True
     # torch.use_deterministic_algorithms(True) (slower; same results run to run on the same machine).
     deterministic: bool = False
+    # A NaN or infinite training loss (checked at log points and epoch ends: no extra host sync).
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
     # null: start fresh. auto: continue from the newest valid checkpoint in the run directory (fresh
     # if none). A path: that checkpoint file (refused if missing or unreadable).
     resume: str | None = None
@@ -190,9 +200,10 @@ class CheckpointConfig:
     # Periodic checkpoints kept (older ones deleted); best.pt is kept separately.
     keep_last_k: int = 2
     # The one definition of "best" (best.pt, metrics.json's `best`, the report): this eval metric,
-    # higher (max) or lower (min) being better.
-    best_metric: str = "eval/acc"
-    best_mode: BestMode = BestMode.max
+    # higher (max) or lower (min) being better. null: the task's own (eval/acc max; regression:
+    # eval/mse min), see ddpexp/tasks.py.
+    best_metric: str | None = None
+    best_mode: BestMode | None = None
 
 
 @dataclass
@@ -200,6 +211,7 @@ class Config:
     strategy: Any = MISSING  # typed by the chosen strategy's own schema (see the module docstring)
     model: dict[str, Any] = MISSING
     data: dict[str, Any] = MISSING
+    task: dict[str, Any] = MISSING  # loss and eval metrics (conf/task, ddpexp/tasks.py)
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)

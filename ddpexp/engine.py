@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
-from . import distributed
-from .config import Precision
+from . import distributed, memory
+from .config import OnNonFinite, Precision
 from .data.loaders import Loader
 from .recorder import NullRecorder
 from .strategies import Wrapped
+from .tasks import Classification, Task
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -33,6 +34,11 @@ if TYPE_CHECKING:
     from .validate import Plan
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss is no longer finite (trainer.on_nonfinite=stop)."""
+
 
 FOLD_EVERY = 64  # losses kept before folding them into the sums (bounds the list on long log intervals)
 AUTOCAST = {Precision.fp32: None, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
@@ -53,6 +59,7 @@ class LoopSettings:
     checkpoint_every_epochs: int | None = None
     checkpoint_every_steps: int | None = None
     devices: int = 1  # devices training in parallel (per-device throughput)
+    stop_on_nonfinite: bool = True
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: Plan) -> LoopSettings:
@@ -71,6 +78,7 @@ class LoopSettings:
             checkpoint_every_epochs=c.every_epochs,
             checkpoint_every_steps=c.every_steps,
             devices=plan.devices,
+            stop_on_nonfinite=t.on_nonfinite == OnNonFinite.stop,
         )
 
     def total_steps(self, steps_per_epoch: int) -> int:
@@ -100,6 +108,7 @@ class Engine:
         recorder: NullRecorder,
         settings: LoopSettings,
         device: torch.device,
+        task: Task | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         on_checkpoint: Callable[[Position, dict[str, float], bool], None] | None = None,
         on_step: Callable[[int], None] | None = None,
@@ -112,6 +121,7 @@ class Engine:
         self.recorder = recorder
         self.s = settings
         self.device = device
+        self.task = task or Classification()
         self.scheduler = scheduler
         # fp16 needs loss scaling (its range underflows small gradients); bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler("cuda") if settings.precision == Precision.fp16 else None
@@ -127,6 +137,8 @@ class Engine:
         self._log_count = 0
         self._params = [p for p in model.base.parameters() if p.requires_grad]
         self._first_step_done = False
+        self._nonfinite_seen = False
+        self._resident: dict[str, float] | None = None  # memory.resident_mb, max over ranks
         dtype = AUTOCAST[settings.precision]
         self._autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
             (lambda: torch.autocast(device_type=device.type, dtype=dtype))
@@ -222,6 +234,7 @@ class Engine:
         loss_sum, micro_count = totals.tolist()
         elapsed = time.perf_counter() - start
         throughput = steps * self.s.global_batch / elapsed if elapsed > 0 else 0.0
+        self._check_finite(loss_sum)
         values = {
             "train/loss": loss_sum / max(micro_count, 1.0),
             "perf/samples_per_s": throughput,
@@ -230,6 +243,20 @@ class Engine:
             "perf/step_time_s": elapsed / max(steps, 1),
         }
         return values | self._side_metrics(wait=wait, elapsed=elapsed, steps=steps)
+
+    def _check_finite(self, loss: float) -> None:
+        """Every rank sees the same all-reduced value, so every rank stops together."""
+        if math.isfinite(loss) or self._nonfinite_seen:
+            return
+        word = "NaN" if math.isnan(loss) else "infinite"
+        message = (
+            f"loss became {word} at step ~{self.step} (lower optim.lr, or enable trainer.clip_grad_norm; "
+            "trainer.on_nonfinite=warn trains on)"
+        )
+        if self.s.stop_on_nonfinite:
+            raise TrainingDiverged(message)
+        self._nonfinite_seen = True
+        log.warning("%s", message)
 
     def _fold(self) -> None:
         """Add the losses gathered since the last fold to the epoch's and the log window's sums."""
@@ -251,6 +278,7 @@ class Engine:
         out = {
             "perf/data_wait_frac": wait_s / elapsed if elapsed > 0 else 0.0,
             "mem/peak_mb": self._peak_mb(),
+            **(self._resident or {}),
         }
         if comm is not None:
             out |= {
@@ -279,7 +307,7 @@ class Engine:
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with self._autocast():
                 outputs = self.model.module(inputs)
-            loss = F.cross_entropy(outputs.float(), targets.to(outputs.device, non_blocking=True))
+            loss = self.task.loss(outputs, targets.to(outputs.device, non_blocking=True))
             # Dividing only when accumulating: a no-op division still costs ~18 us per step in autograd.
             scaled = loss / self.s.accumulate if self.s.accumulate > 1 else loss
             if self.scaler is not None:
@@ -298,6 +326,8 @@ class Engine:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self._resident is None:  # once, while gradients and optimizer state both exist
+            self._measure_resident()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -308,7 +338,38 @@ class Engine:
             if self.started_at is not None:
                 self.recorder.update(time_to_first_step_s=time.time() - self.started_at)
 
+    def _eval_batches(self) -> Iterator[tuple[Any, torch.Tensor | None]]:
+        """The eval shard's batches. Where the eval forward is collective (FSDP gathers parameters in
+        it), ranks with fewer batches repeat their last batch's forward, unscored, until every rank
+        has run as many forwards as the busiest one: the shards are unpadded and may differ by one."""
+        if not self.model.collective_eval:
+            yield from self.eval_loader
+            return
+        rounds = int(distributed.all_reduce_max(float(len(self.eval_loader))))
+        last: Any = None
+        done = 0
+        for inputs, targets in self.eval_loader:
+            last = inputs
+            done += 1
+            yield inputs, targets
+        if done < rounds and last is None:
+            raise RuntimeError(
+                "this rank has no eval samples; use an eval set at least as large as the world"
+            )
+        for _ in range(rounds - done):
+            yield last, None
+
+    def _measure_resident(self) -> None:
+        """Bytes per rank by category (ddpexp/memory.py): the max over ranks goes to the epoch's
+        scalars, every rank's to metrics.json (`memory_per_rank`)."""
+        mine = memory.resident_mb(self.model.base, self.optimizer)
+        ranks = distributed.gather_objects(mine)
+        self._resident = {k: max(float(r[k]) for r in ranks) for k in mine}  # type: ignore[index]
+        self.recorder.update(memory_per_rank=ranks)
+
     def _checkpoint(self, values: dict[str, float], *, periodic: bool) -> None:
+        if self.model.sync_buffers is not None:
+            self.model.sync_buffers()  # what is saved is what every rank holds
         if self.on_checkpoint is not None:
             self.on_checkpoint(self.pos, values, periodic)
 
@@ -317,6 +378,7 @@ class Engine:
         count = torch.tensor(float(self._log_count), device=self.device)
         loss_sum, n = distributed.all_reduce_sum(torch.stack([self._log_loss, count])).tolist()
         values = {"train/loss": loss_sum / max(n, 1.0), "opt/lr": self.optimizer.param_groups[0]["lr"]}
+        self._check_finite(values["train/loss"])
         self.recorder.scalars(self.step, values)
         self.recorder.set_postfix(loss=values["train/loss"])
         self._log_loss.zero_()
@@ -324,20 +386,23 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Exact over the whole eval set: each rank scores its unpadded shard, sums are all-reduced."""
+        """Exact over the whole eval set: each rank scores its unpadded shard, the task's sums (loss,
+        metric numerators, samples) are all-reduced."""
         module = self.model.eval_module
-        assert module is not None
+        assert module is not None and self.model.sync_buffers is not None
+        self.model.sync_buffers()  # every rank scores rank 0's BatchNorm statistics, as model.pt holds
         was_training = module.training
         module.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count
-        for inputs, targets in self.eval_loader:
+        sums: torch.Tensor | None = None
+        for inputs, targets in self._eval_batches():
             with self._autocast():
                 outputs = module(inputs)
+            if targets is None:  # a lockstep pass only (see _eval_batches)
+                continue
             targets = targets.to(outputs.device, non_blocking=True)
-            losses = F.cross_entropy(outputs.float(), targets, reduction="none")
-            sums[0] += losses.double().sum().to(self.device)
-            sums[1] += (outputs.argmax(dim=1) == targets).sum().to(self.device)
-            sums[2] += targets.numel()
+            batch = self.task.eval_sums(outputs, targets).to(self.device)
+            sums = batch if sums is None else sums + batch
         module.train(was_training)
-        loss_sum, correct, count = distributed.all_reduce_sum(sums).tolist()
-        return {"eval/loss": loss_sum / count, "eval/acc": correct / count, "eval/samples": count}
+        if sums is None:  # a rank whose eval shard is empty still joins the reduction
+            sums = torch.zeros(len(self.task.metrics) + 2, dtype=torch.float64, device=self.device)
+        return self.task.finish(distributed.all_reduce_sum(sums).tolist())

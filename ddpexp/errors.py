@@ -24,6 +24,11 @@ class UserError(Exception):
         return f"{head} (fix: {self.fix})" if self.fix else head
 
 
+class NothingToDo(Exception):
+    """The command asks for nothing that is not done already (resume=auto on a completed run): said
+    plainly, exit code 0."""
+
+
 def require_positive(required: dict[str, Any], optional: dict[str, Any] | None = None) -> None:
     """Every setting in `required`, and every non-null one in `optional`, must be > 0."""
     values = {**required, **{k: v for k, v in (optional or {}).items() if v is not None}}

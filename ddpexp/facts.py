@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from . import tasks
 from .context import RunContext
 from .data import Splits
 from .job import Job
@@ -25,6 +26,7 @@ def run_facts(
     resumed: Path | None,
 ) -> dict[str, Any]:
     p, cfg = job.plan, job.cfg
+    best = tasks.best_of(cfg)
     return {
         "strategy": p.strategy,
         "backend": p.backend,
@@ -42,8 +44,8 @@ def run_facts(
         "per_rank_batch_size": p.per_rank_batch * cfg.trainer.accumulate,
         "micro_batch_size": p.per_rank_batch,
         "device_type": p.device_type,
-        "model": job.choices.get("model", cfg.model.get("_target_")),
-        "data": job.choices.get("data", cfg.data.get("_target_")),
+        "model": _named(job.choices.get("model"), cfg.model.get("_target_")),
+        "data": _named(job.choices.get("data"), cfg.data.get("_target_")),
         "optim": cfg.optim.name.value,
         "lr": cfg.optim.lr,
         "lr_used": lr,
@@ -52,8 +54,9 @@ def run_facts(
         "precision": cfg.trainer.precision.name,
         "accumulate": cfg.trainer.accumulate,
         "mode": cfg.trainer.mode.value,
-        "best_metric": cfg.checkpoint.best_metric,
-        "best_mode": cfg.checkpoint.best_mode.value,
+        "task": job.choices.get("task", cfg.task.get("_target_")),
+        "best_metric": best[0],
+        "best_mode": best[1].value,
         "resumed_from": str(resumed) if resumed else None,
         "loader": loader,
         "seed": cfg.seed,
@@ -66,3 +69,11 @@ def run_facts(
         "torch": torch.__version__,
         "host": platform.node(),
     }
+
+
+def _named(choice: str | None, target: str | None) -> str | None:
+    """A shipped option by its name (convnet); your own build function by its _target_, even where it
+    replaced the default option's (model._target_=my_models.Net on top of model=convnet)."""
+    if target and not target.startswith("ddpexp."):
+        return target
+    return choice or target

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import composition, faults, optim
 from .context import FAULT_ENV
 from .errors import UserError
-from .validate import ExternalWorld, HostFacts, Plan, plan
+from .validate import ExternalWorld, HostFacts, Plan, check_split_sizes, plan
 
 
 def preflight(
@@ -34,6 +34,8 @@ def preflight(
         )
     with composition.composer(config_name) as compose:
         overrides, jobs, varying = composition.expand(overrides, multirun=multirun, compose=compose)
+        dropped = replaced_settings(jobs, compose)
+        overrides, jobs = overrides + dropped, [job + dropped for job in jobs]
         local = HostFacts.probe()
         spawns = []
         for job_overrides in jobs:
@@ -56,6 +58,42 @@ def preflight(
     return overrides + exclude
 
 
+def replaced_settings(jobs: list[list[str]], compose: Any) -> list[str]:
+    """`model._target_=my_models.Net` replaces the chosen option's builder (model=convnet's): that
+    option's other settings (channels, batch_norm) were meant for the builder it replaces, so they are
+    dropped (`~model.channels`, one override per setting). Settings given on the command line stay,
+    and so do ddpexp's own. The same for data."""
+    per_job = [_replaced_in(job, compose) for job in jobs]
+    if any(drops != per_job[0] for drops in per_job):
+        raise UserError(
+            "a _target_ override replaces a different option's settings in each job of this sweep",
+            setting="model._target_/data._target_",
+            fix="sweep _target_ itself, not the group, or give the settings to drop as ~model.KEY",
+        )
+    return per_job[0] if per_job else []
+
+
+def _replaced_in(job: list[str], compose: Any) -> list[str]:
+    from .models import SETTINGS
+
+    drops: list[str] = []
+    # ddpexp's own settings in a section belong to no builder, so they stay.
+    for section, own in {"model": SETTINGS, "data": ()}.items():
+        key = f"{section}._target_"
+        replacing = [o for o in job if composition.override_key(o) == key]
+        if not replacing:
+            continue
+        target = replacing[-1].split("=", 1)[1].strip("'\"")
+        option = compose([o for o in job if o not in replacing])[section]
+        if option.get("_target_") == target:
+            continue
+        given = {composition.override_key(o) for o in job}
+        drops += [
+            f"~{section}.{k}" for k in option if k not in (*own, "_target_") and f"{section}.{k}" not in given
+        ]
+    return drops
+
+
 def check_job(
     cfg: DictConfig,
     host: HostFacts,
@@ -65,29 +103,83 @@ def check_job(
     run_dir_checked: bool = False,
 ) -> Plan:
     p = plan(cfg, host, external)
+    if not multirun:
+        check_single_job(cfg, p)
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
+    check_task(cfg, source.info())
+    info = source.info()
+    if info.train_samples is not None and info.eval_samples is not None:
+        check_split_sizes(info.train_samples, info.eval_samples, p, cfg)
     model = check_model(cfg.model, source.info(), cfg)
     if p.launcher == "spawn":
+        check_cpu_processes(cfg, p)
+        check_master_addr(cfg)
         check_port(cfg)
         check_init_file(cfg)
     faults.check(p.world_size, os.environ.get(FAULT_ENV))
-    from .checkpoint import check_resume
+    from .weights import check_initial, check_resume
 
     check_resume(cfg.trainer.resume, model)
+    if cfg.trainer.resume == "auto" and not multirun and external is None and "hydra" in cfg:
+        check_auto_resume(Path(cfg.hydra.run.dir), model, cfg)
+    check_initial(cfg.model, model)
     if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume:
         check_run_dir(Path(cfg.hydra.run.dir))
     return p
 
 
 def instantiate_data(data_cfg: DictConfig) -> Any:
-    from hydra.utils import instantiate
+    """The DataSource (a Dataset of yours, wrapped: data/external.py), or one line saying why not."""
+    from .data import build_source
 
     try:
-        return instantiate(data_cfg)
+        return build_source(data_cfg)
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(_cause(exc), setting="data", fix="check data._target_ and its arguments") from exc
+
+
+def check_single_job(cfg: DictConfig, p: Plan) -> None:
+    """What only makes sense in a sweep, or only with several processes, given to one plain run."""
+    hydra = cfg.get("hydra")
+    if hydra is not None and hydra.sweeper.get("params"):
+        name = hydra.runtime.choices.get("experiment")
+        raise UserError(
+            f"experiment={name} is a sweep ({', '.join(hydra.sweeper.params)} vary)",
+            setting="experiment",
+            fix=f"add -m: python -m ddpexp -m experiment={name}",
+        )
+    if p.backend is None and str(cfg.backend).lower() != "auto":
+        raise UserError(
+            f"backend={cfg.backend} means nothing to strategy={p.strategy}: it runs one process and "
+            "no process group",
+            setting="backend",
+            fix="drop the backend override, or use a multi-process strategy such as strategy=ddp",
+        )
+
+
+def check_task(cfg: DictConfig, info: Any) -> None:
+    """The task builds (its loss too) and can learn what the dataset gives; best_metric is one it logs."""
+    from . import tasks
+
+    try:
+        task = tasks.build(cfg.task)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(_cause(exc), setting="task", fix="check task._target_ and its arguments") from exc
+    task.check(info.targets)
+    metric, _ = tasks.best_of(cfg)
+    known = ["eval/loss", *task.metrics]
+    if metric not in known:
+        raise UserError(
+            f"is {metric}, which task={task.name} does not log",
+            setting="checkpoint.best_metric",
+            fix=f"use one of {', '.join(known)}",
+        )
 
 
 def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
@@ -108,6 +200,55 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     strategy, settings = strategies.resolve(cfg.strategy)
     strategy.check_model(model, settings)
     return model
+
+
+def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig) -> None:
+    """resume=auto, before anything in the run directory changes: the newest valid checkpoint must fit
+    the configured model (a refused resume leaves every byte of the run as it was), and a run that
+    has already trained everything it was asked to is not started again."""
+    from . import checkpoint
+    from .errors import NothingToDo
+    from .weights import fit
+
+    found = checkpoint.resolve("auto", run_dir)
+    if found is None:
+        return
+    path, state = found
+    fit(state["model"], model, source=path, setting="trainer.resume")
+    t = cfg.trainer
+    finished_epochs = int(state.get("epoch", 0)) >= t.epochs
+    finished_steps = t.max_steps is not None and int(state.get("step", 0)) >= t.max_steps
+    if t.mode.value == "train" and (finished_epochs or finished_steps):
+        raise NothingToDo(
+            f"{run_dir} is already complete (step {state.get('step')}, epoch {state.get('epoch')} of "
+            f"{t.epochs}); nothing to resume. Raise trainer.epochs or trainer.max_steps to train further"
+        )
+
+
+def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:
+    cores = os.cpu_count() or 1
+    if p.device_type == "cpu" and p.nprocs_per_node > 4 * cores and not cfg.dist.oversubscribe:
+        raise UserError(
+            f"{p.nprocs_per_node} worker processes on a host with {cores} cores",
+            setting="dist.nprocs",
+            fix=f"use dist.nprocs<={4 * cores} (or dist.oversubscribe=true if you mean it)",
+        )
+
+
+def check_master_addr(cfg: DictConfig) -> None:
+    import socket
+
+    addr = cfg.dist.master_addr
+    if cfg.init.value not in ("env", "tcp"):
+        return
+    try:
+        socket.getaddrinfo(addr, None)
+    except OSError as exc:
+        raise UserError(
+            f"{addr!r} does not resolve ({exc.strerror or exc})",
+            setting="dist.master_addr",
+            fix="use an address or host name every node can reach (127.0.0.1 on one machine)",
+        ) from exc
 
 
 def check_port(cfg: DictConfig) -> None:

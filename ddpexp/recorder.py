@@ -5,13 +5,16 @@ never checks its rank.
 
 TensorBoard tags (x axis = global optimizer step):
   train/loss          mean training loss over the steps since the last log point (all ranks)
-  eval/loss, eval/acc exact loss and accuracy over the whole eval set
+  eval/loss, eval/<m>  exact loss and the task's metrics over the whole eval set (eval/acc; eval/top<k>;
+                      regression: eval/mse, eval/mae)
   eval/samples        eval samples scored (always the eval set size: nothing counted twice)
   perf/samples_per_s  training samples per second over the epoch (all ranks together)
   perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
   opt/lr              learning rate of the first parameter group
   perf/samples_per_s_per_device, perf/step_time_s, perf/data_wait_frac (host time waiting for batches)
   mem/peak_mb         peak memory: CUDA max allocated, or the process's max RSS on CPU (max over ranks)
+  mem/params_mb, mem/grads_mb, mem/optim_state_mb   bytes resident per rank by category, counted from
+                      the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
   comm/time_per_step_s, comm/share, comm/bytes_per_step   gradient communication (strategies with any)
   hparams/*           final/best metrics next to the run's settings in TensorBoard's HParams view
 
@@ -60,6 +63,9 @@ class Best:
     metric: str = "eval/acc"
     mode: str = "max"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", str(self.mode))  # a BestMode, or its value
+
     def improves(self, value: float | None, than: float | None) -> bool:
         if value is None or not math.isfinite(value):
             return False
@@ -79,7 +85,24 @@ def new_metrics(facts: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_metrics(run_dir: Path, metrics: dict[str, Any]) -> None:
-    atomic_write_text(run_dir / METRICS_FILE, json.dumps(metrics, indent=2, sort_keys=True))
+    """metrics.json is strict JSON whatever happened: a NaN or infinite value is written as null, and
+    the keys that held one are listed under `nonfinite` (JSON has no NaN; JSON.parse rejects it)."""
+    found: set[str] = set()
+    clean = _finite(metrics, found, "")
+    if found:
+        clean["nonfinite"] = sorted(found | set(metrics.get("nonfinite", [])))
+    atomic_write_text(run_dir / METRICS_FILE, json.dumps(clean, indent=2, sort_keys=True, allow_nan=False))
+
+
+def _finite(value: Any, found: set[str], key: str) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        found.add(key)
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, found, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, found, key) for v in value]
+    return value
 
 
 def finish_metrics(run_dir: Path, status: str, error: str, *, facts: dict[str, Any]) -> None:
@@ -240,9 +263,11 @@ class Recorder(NullRecorder):
 
         facts = self.metrics["facts"]
         settings = {key: _hparam(facts.get(key)) for key in HPARAMS}
+        metric = self.best.metric  # the task's (eval/acc, or eval/mse for regression) unless set
+        name = metric.replace("/", "_")
         results = {
-            "hparams/final_eval_acc": self.metrics["final"].get("eval/acc"),
-            "hparams/best_eval_acc": self.metrics["best"].get("eval/acc"),
+            f"hparams/final_{name}": self.metrics["final"].get(metric),
+            f"hparams/best_{name}": self.metrics["best"].get(metric),
             "hparams/final_eval_loss": self.metrics["final"].get("eval/loss"),
             "hparams/samples_per_s": self.metrics["final"].get("perf/samples_per_s"),
         }
@@ -272,6 +297,7 @@ HPARAMS = (
     "accumulate",
     "model",
     "data",
+    "task",
 )
 
 
@@ -285,8 +311,11 @@ def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:
         parts.append(f"train_loss {v['train/loss']:.4f}")
     if "eval/loss" in v:
         parts.append(f"eval_loss {v['eval/loss']:.4f}")
-    if "eval/acc" in v:
-        parts.append(f"eval_acc {100 * v['eval/acc']:.2f}%")
+    for tag, value in v.items():  # the task's eval metrics: accuracies in %, errors as they are
+        if tag.startswith("eval/") and tag not in ("eval/loss", "eval/samples"):
+            name = tag.replace("/", "_")
+            pct = tag == "eval/acc" or tag.startswith("eval/top")
+            parts.append(f"{name} {100 * value:.2f}%" if pct else f"{name} {value:.4f}")
     if "perf/samples_per_s" in v:
         parts.append(f"{v['perf/samples_per_s']:,.0f} samples/s")
     if "perf/epoch_time_s" in v:

@@ -5,7 +5,8 @@ metrics.json (facts, final, best, status) and its TensorBoard events, read with 
 reader; nothing is re-measured. Written into the first directory given:
 
   report.md            one row per run (failed or unfinished runs marked as such)
-  acc_vs_time.png      eval accuracy against wall-clock seconds since the run started
+  acc_vs_time.png      the best metric (eval/acc unless the task says otherwise) against wall-clock
+                       seconds since the run started
   loss_vs_step.png     training loss against optimizer step
   throughput.png       samples/s per run (all devices together)
   scaling.png          scaling efficiency against device count (when device counts differ)
@@ -15,7 +16,8 @@ Definitions (also in the README):
                        are several (it includes warm-up)
   per device           samples/s / devices (processes on CPU, GPUs on CUDA)
   scaling eff.         (samples/s per device) / (samples/s of the sweep's single-device run)
-  time to target       seconds from the run's start to the first eval/acc >= --target
+  time to target       seconds from the run's start until its best metric first reached --target
+                       (eval/acc >= target; for a min metric such as eval/mse, <= target)
   comm share           mean comm/share: fraction of training wall time with a gradient reduction running
 """
 
@@ -59,11 +61,18 @@ class Run:
         steady = per_epoch[1:] if len(per_epoch) > 1 else per_epoch
         return sum(steady) / len(steady)
 
+    @property
+    def metric(self) -> str:
+        """The run's best metric (its task's, or checkpoint.best_metric)."""
+        return str(self.facts.get("best_metric", "eval/acc"))
+
     def time_to(self, target: float) -> float | None:
+        """Seconds until the best metric first reached the target (>= for max, <= for min metrics)."""
         if self.started_at is None:
             return None
-        for _, value, wall in self.scalars.get("eval/acc", []):
-            if value >= target:
+        lower = self.facts.get("best_mode") == "min"
+        for _, value, wall in self.scalars.get(self.metric, []):
+            if (value <= target) if lower else (value >= target):
                 return wall - self.started_at
         return None
 
@@ -122,14 +131,15 @@ COLUMNS = (
     "strategy",
     "world",
     "batch (global/rank)",
-    "final acc",
-    "best acc",
+    "final",
+    "best",
     "time to target (s)",
     "samples/s",
     "per device",
     "scaling eff.",
     "comm share",
     "peak mem (MB)",
+    "per rank MB: params/grads/optim",
 )
 
 
@@ -153,17 +163,33 @@ def rows(runs: list[Run], target: float) -> list[list[str]]:
                 str(f.get("strategy", "?")) + (" +syncbn" if f.get("sync_bn") else ""),
                 str(f.get("world_size", "?")),
                 f"{f.get('global_batch_size', '?')}/{f.get('per_rank_batch_size', '?')}",
-                _pct(r.final.get("eval/acc")),
-                _pct(r.best.get("eval/acc")),
+                _metric(r.metric, r.final.get(r.metric)),
+                _metric(r.metric, r.best.get(r.metric)),
                 _num(r.time_to(target), "{:.1f}"),
                 _num(tput, "{:,.0f}"),
                 _num(tput / r.devices if tput else None, "{:,.0f}"),
                 _num(eff, "{:.2f}"),
                 _pct(r.mean("comm/share")),
                 _num(r.peak("mem/peak_mb"), "{:,.0f}"),
+                _resident(r.final),
             ]
         )
     return out
+
+
+def _resident(final: dict[str, Any]) -> str:
+    """Bytes per rank by category (max over ranks), counted from the tensors (ddpexp/memory.py)."""
+    keys = ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")
+    if not all(k in final for k in keys):
+        return "-"
+    return "/".join(f"{final[k]:.2f}" for k in keys)
+
+
+def _metric(tag: str, v: float | None) -> str:
+    """Accuracies in %, anything else (eval/mse...) with its name."""
+    if tag == "eval/acc" or tag.startswith("eval/top"):
+        return _pct(v)
+    return "-" if v is None else f"{tag.removeprefix('eval/')} {v:.4g}"
 
 
 def _pct(v: float | None) -> str:
@@ -206,10 +232,11 @@ def plots(runs: list[Run], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
-        pts = r.scalars.get("eval/acc", [])
+        pts = r.scalars.get(r.metric, [])
         if pts and r.started_at is not None:
             ax.plot([w - r.started_at for _, _, w in pts], [v for _, v, _ in pts], marker="o", label=r.name)
-    ax.set(xlabel="wall-clock seconds since start", ylabel="eval accuracy", title="Eval accuracy vs time")
+    tags = sorted({r.metric for r in runs})
+    ax.set(xlabel="wall-clock seconds since start", ylabel=", ".join(tags), title="Eval metric vs time")
     _legend(ax)
     save(fig, "acc_vs_time.png")
 
@@ -255,7 +282,9 @@ def _legend(ax: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ddpexp-report", description=__doc__.split("\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="sweep or run directories")
-    parser.add_argument("--target", type=float, default=0.95, help="accuracy for 'time to target' (0.95)")
+    parser.add_argument(
+        "--target", type=float, default=0.95, help="best-metric value for 'time to target' (0.95)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: the first dir)")
     args = parser.parse_args(argv)
     missing = [d for d in args.dirs if not d.is_dir()]
@@ -276,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     body = [
         f"# ddpexp report: {', '.join(map(str, args.dirs))}",
         "",
-        f"{len(runs)} runs; time to target = first eval accuracy >= {args.target:.0%}.",
+        f"{len(runs)} runs; time to target = first time the best metric reached {args.target:g}.",
         "",
         markdown(table),
         "",

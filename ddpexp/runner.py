@@ -101,6 +101,7 @@ def _logging_restored() -> Iterator[None]:
 def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
     """One job: check it again on the machine it runs on, record it, launch it."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from . import launch
     from .job import Job
@@ -116,7 +117,8 @@ def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
     world = torchrun.world()
     external = ExternalWorld(*world) if world else None
     try:
-        plan = check_job(cfg, HostFacts.probe(), external=external, run_dir_checked=True)
+        multirun = hc.mode == RunMode.MULTIRUN
+        plan = check_job(cfg, HostFacts.probe(), external=external, multirun=multirun, run_dir_checked=True)
         job = Job(cfg=cfg, plan=plan, run_dir=run_dir, choices=choices, started_at=started_at)
         job.save()
         return Outcome(run_dir=run_dir, exit_code=launch.run(job))

@@ -9,16 +9,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 
-from . import distributed, faults, models, optim, resume, strategies
+from . import distributed, faults, models, optim, resume, strategies, tasks, weights
 from .config import Mode
 from .context import RunContext
-from .data import DataSource, Splits, loaders
+from .data import DataSource, Splits, build_source, loaders
 from .engine import Engine, LoopSettings
 from .facts import run_facts
 from .job import Job
 from .recorder import Best, NullRecorder, Recorder
+from .validate import check_split_sizes
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     strategy, strategy_settings = strategies.resolve(cfg.strategy)
     configure_determinism(trainer.deterministic)
     seed_everything(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
-    splits = load_data(instantiate(cfg.data), ctx)
+    splits = load_data(build_source(cfg.data), ctx)
+    check_split_sizes(len(splits.train.dataset), len(splits.eval.dataset), job.plan, cfg)  # type: ignore[arg-type]
     model = build_model(job, splits)
     wrapped = strategy.wrap(model, strategy_settings, ctx=ctx, measure_comm=trainer.measure_comm)
     if trainer.compile:
@@ -41,7 +42,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     optimizer = strategy.build_optimizer(wrapped, lambda params: optim.build(params, cfg.optim, lr=lr))
     steps = settings.total_steps(len(train_loader) // trainer.accumulate)
     resumed = resume.find_checkpoint(trainer.resume, ctx)
-    best = Best(cfg.checkpoint.best_metric, cfg.checkpoint.best_mode.value)
+    best = Best(*tasks.best_of(cfg))
     facts = run_facts(job, ctx, splits, model, loader=mode, lr=lr, resumed=resumed[0] if resumed else None)
     recorder = open_recorder(
         ctx, facts, best=best, progress=trainer.progress, resumed=resumed, mode=trainer.mode
@@ -54,6 +55,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         recorder=recorder,
         settings=settings,
         device=ctx.device,
+        task=tasks.build(cfg.task),
         scheduler=optim.build_schedule(optimizer, cfg.optim, steps),
         started_at=ctx.job_started_at,
     )
@@ -106,6 +108,7 @@ def load_data(source: DataSource, ctx: RunContext) -> Splits:
 
 def build_model(job: Job, splits: Splits) -> torch.nn.Module:
     model = models.build(job.cfg.model, splits.info)
+    weights.load_initial(model, job.cfg.model)  # model.weights: the same file on every rank
     if job.cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model

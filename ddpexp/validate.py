@@ -98,7 +98,9 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
             setting="dist.nprocs",
             fix=f"use dist.nprocs<={max(host.cuda_devices // k, 1)} or device=cpu",
         )
-    backend = _backend(cfg.backend, device_type, host) if strategy.uses_process_group else None
+    backend: str | None = _backend(str(cfg.backend), device_type, host)  # checked even unused
+    if not strategy.uses_process_group:
+        backend = None
     acc = cfg.trainer.accumulate
     per_rank = cfg.trainer.batch_per_rank
     global_batch = per_rank * world * acc if per_rank is not None else cfg.trainer.batch_size
@@ -235,6 +237,7 @@ def _device_type(device: Device, host: HostFacts) -> str:
 
 
 def _backend(requested: str, device_type: str, host: HostFacts) -> str:
+    requested = requested.lower()  # torch accepts GLOO as well as gloo
     if requested == "auto":
         return "nccl" if device_type == "cuda" and host.nccl else "gloo"
     if requested in BACKENDS:
@@ -250,6 +253,12 @@ def _backend(requested: str, device_type: str, host: HostFacts) -> str:
     if "nccl" in names and requested == "nccl" and device_type != "cuda":
         raise UserError(
             "nccl needs CUDA devices and this run is on the CPU",
+            setting="backend",
+            fix="use backend=gloo (or auto) on CPU",
+        )
+    if "nccl" in names and requested != "nccl" and device_type != "cuda":
+        raise UserError(
+            f"{requested} makes an NCCL group, which needs CUDA devices; this run is on the CPU",
             setting="backend",
             fix="use backend=gloo (or auto) on CPU",
         )
@@ -274,11 +283,12 @@ def _check_training(cfg: DictConfig, device_type: str) -> None:
             setting="trainer.precision",
             fix="use trainer.precision=bf16 on CPU, or 32",
         )
-    if t.mode == Mode.eval and not t.resume:
+    if t.mode == Mode.eval and not t.resume and not cfg.model.get("weights"):
         raise UserError(
             "an evaluation run needs weights to evaluate",
             setting="trainer.mode",
-            fix="add trainer.resume=PATH/TO/checkpoint.pt (or model.pt)",
+            fix="add trainer.resume=PATH/TO/checkpoint.pt (or model.pt, or any state_dict file), "
+            "or model.weights=PATH",
         )
     positive = {
         "trainer.accumulate": t.accumulate,
@@ -300,3 +310,24 @@ def _check_training(cfg: DictConfig, device_type: str) -> None:
 
 def _round_up(n: int, m: int) -> int:
     return ((n + m - 1) // m) * m
+
+
+def check_split_sizes(train_samples: int, eval_samples: int, p: Plan, cfg: DictConfig) -> None:
+    """A run that would take no optimizer step, or score nothing, is refused rather than reported as
+    completed with its initial weights."""
+    t = cfg.trainer
+    if t.mode == Mode.train and t.epochs > 0 and t.max_steps != 0:
+        steps = train_samples // p.world_size // p.per_rank_batch // t.accumulate
+        if steps == 0:
+            raise UserError(
+                f"{train_samples} training samples give no optimizer step at global batch {p.global_batch}"
+                + (f" x {t.accumulate} accumulated" if t.accumulate > 1 else ""),
+                setting="trainer.batch_size",
+                fix=f"use trainer.batch_size<={max(train_samples // t.accumulate, 1)} or more training data",
+            )
+    if eval_samples < 1:
+        raise UserError(
+            "the eval split is empty: nothing to evaluate",
+            setting="data",
+            fix="give the dataset an eval split (data.val_fraction for a single Dataset, data.num_eval...)",
+        )

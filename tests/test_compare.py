@@ -144,14 +144,19 @@ def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tm
     """With the BatchNorm ConvNet, ddp+sync_bn equals single on the same global batch, weights and
     running statistics alike; plain ddp (per-rank statistics) does not (the preset sweep's runs)."""
     bn = ["model=convnet", "data=synthetic", "trainer.progress=false", "trainer.max_steps=5"]
-    for strategy in ("single", "ddp_sync_bn"):
-        result = run_here(tmp_path, f"strategy={strategy}", *bn, f"hydra.run.dir={strategy}")
+    runs = {"single": ["strategy=single"], "ddp_sync_bn": ["strategy=ddp_sync_bn"]}
+    runs["fsdp_sync_bn"] = ["strategy=fsdp", "strategy.sync_bn=true"]
+    for name, args in runs.items():
+        result = run_here(tmp_path, *args, *bn, f"hydra.run.dir={name}")
         assert result.returncode == 0, result
     reference = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
     assert any("running_var" in name for name in reference)
-    synced = torch.load(tmp_path / "ddp_sync_bn" / "model.pt", weights_only=True)
-    for name, value in reference.items():
-        torch.testing.assert_close(synced[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
+    for run in ("ddp_sync_bn", "fsdp_sync_bn"):
+        synced = torch.load(tmp_path / run / "model.pt", weights_only=True)
+        for name, value in reference.items():
+            torch.testing.assert_close(
+                synced[name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=(run, name)
+            )
     assert metrics(tmp_path / "ddp_sync_bn")["facts"]["sync_bn"] is True
     single, local = (
         torch.load(preset_sweep / f"strategy={s}" / "model.pt", weights_only=True) for s in ("single", "ddp")
@@ -184,3 +189,32 @@ def test_report_refuses_a_directory_without_runs(tmp_path: Path):
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(tmp_path)])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.multiproc
+def test_distributed_evaluation_equals_single_scoring_the_saved_model(preset_sweep: Path, tmp_path: Path):
+    """With BatchNorm and no sync_bn each rank's running statistics drift apart; they are made equal
+    (rank 0's, which model.pt holds) before every evaluation and save, so the run's own eval/loss is
+    what `single` measures on model.pt, for every strategy (the preset sweep's, plus the other two)."""
+    result = run_here(
+        tmp_path, "-m", "strategy=naive_allreduce,ddp_mp", "model=convnet", *SHORT, "hydra.sweep.dir=more"
+    )
+    assert result.returncode == 0, result
+    runs = [preset_sweep / s for s in JOBS] + [
+        tmp_path / "more" / f"strategy={s}" for s in ("naive_allreduce", "ddp_mp")
+    ]
+    for run in runs:
+        scored = run_here(
+            tmp_path,
+            "strategy=single",
+            "model=convnet",
+            *SHORT,
+            "trainer.mode=eval",
+            f'trainer.resume="{run / "model.pt"}"',
+            f"hydra.run.dir=eval-{run.name.replace('=', '-')}",
+        )
+        assert scored.returncode == 0, scored
+        ours = metrics(run)["final"]
+        theirs = metrics(tmp_path / f"eval-{run.name.replace('=', '-')}")["final"]
+        assert ours["eval/acc"] == theirs["eval/acc"], run.name
+        assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-6, abs=0), run.name

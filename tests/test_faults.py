@@ -22,7 +22,7 @@ import pytest
 from ddpexp import checkpoint
 from ddpexp.launch.rendezvous import free_port, port_is_free
 
-from .conftest import QUICK, RESUME, metrics, same_weights, scalars
+from .conftest import QUICK, RESUME, metrics, run_here, same_weights, scalars
 
 pytestmark = pytest.mark.multiproc
 
@@ -247,3 +247,82 @@ def test_without_restarts_a_failure_is_final(tmp_path: Path):
     assert code == 1 and "InjectedFault" in err and "restarting" not in err, err
     assert metrics(tmp_path / "run")["status"] == "failed"
     assert _last_checkpoint_step(tmp_path / "run") == 5
+
+
+# ------------------------------------------------------------------------------- results that lie
+
+
+def _strict_json(path: Path) -> dict:
+    """json.loads that refuses NaN/Infinity, as JSON.parse and most other readers do."""
+    import json
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} in {path}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_diverging_loss_fails_the_run_at_a_log_point(tmp_path: Path):
+    args = [*QUICK, "optim.lr=1e10", "trainer.log_every_steps=5", "trainer.max_steps=40"]
+    result = run_here(tmp_path, *args, "hydra.run.dir=run")
+    assert result.returncode == 1, result
+    assert "loss became NaN at step ~" in result.stderr and "optim.lr" in result.stderr
+    m = _strict_json(tmp_path / "run" / "metrics.json")
+    assert m["status"] == "failed" and "loss became NaN" in m["error"]
+    warned = run_here(tmp_path, *args, "trainer.on_nonfinite=warn", "hydra.run.dir=warned")
+    assert warned.returncode == 0, warned
+    m = _strict_json(tmp_path / "warned" / "metrics.json")  # strict JSON although the loss is NaN
+    assert m["status"] == "completed" and m["final"]["train/loss"] is None and "train/loss" in m["nonfinite"]
+
+
+def test_a_run_that_would_take_no_step_is_refused_not_completed(tmp_path: Path):
+    """digits does not say its size before loading: the worker refuses instead of 'completing' with
+    the initial weights (sources that know their size are refused in pre-flight, see test_cli)."""
+    result = run_here(tmp_path, "trainer.batch_size=4096", "trainer.progress=false", "hydra.run.dir=run")
+    assert result.returncode == 2, result
+    assert "no optimizer step at global batch 4096" in result.stdout + result.stderr
+    recorded = tmp_path / "run" / "metrics.json"
+    assert not recorded.exists() or _strict_json(recorded)["status"] != "completed"
+
+
+def _checksums(run_dir: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_resume_auto_never_changes_a_finished_run(tmp_path: Path):
+    """A refused resume (another model) leaves every byte as it was; resume=auto on a completed run
+    says so and exits 0, again without touching anything."""
+    args = [*QUICK, "trainer.max_steps=6", "trainer.log_every_steps=2", "hydra.run.dir=run"]
+    first = run_here(tmp_path, *args)
+    assert first.returncode == 0, first
+    before = _checksums(tmp_path / "run")
+    refused = run_here(tmp_path, *args, "model=toy", "trainer.resume=auto")
+    assert refused.returncode == 2 and "trainer.resume" in refused.stderr, refused
+    assert _checksums(tmp_path / "run") == before
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert "already complete" in again.stdout and "resumed" not in again.stdout + again.stderr
+    assert _checksums(tmp_path / "run") == before
+    more = run_here(
+        tmp_path, *[a for a in args if "max_steps" not in a], "trainer.max_steps=8", "trainer.resume=auto"
+    )
+    assert more.returncode == 0, more
+    assert metrics(tmp_path / "run")["final"]["step"] == 8  # asking for more steps does continue
+
+
+def test_ctrl_c_during_pre_flight_is_one_line_and_exit_130(tmp_path: Path):
+    """A sweep of 400 jobs keeps pre-flight busy composing and checking for several seconds."""
+    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,400)", *QUICK]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["ddpexp: interrupted before anything started"], err
+    assert not (tmp_path / "multirun").exists()

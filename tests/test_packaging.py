@@ -3,6 +3,7 @@ prints no warnings about undeclared package folders."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -18,6 +19,7 @@ def test_every_config_folder_is_declared_and_the_wheel_holds_every_yaml(tmp_path
     folders = {"ddpexp." + ".".join(p.relative_to(REPO).parts) for p in conf}
     code = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "ddpexp").rglob("__init__.py")}
     assert folders | code <= declared, sorted((folders | code) - declared)
+    shutil.rmtree(REPO / "build", ignore_errors=True)  # setuptools would pack stale modules left there
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
         cwd=REPO,
@@ -33,3 +35,5 @@ def test_every_config_folder_is_declared_and_the_wheel_holds_every_yaml(tmp_path
     assert shipped <= names, sorted(shipped - names)
     modules = {str(p.relative_to(REPO)) for p in (REPO / "ddpexp").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
+    packed = {n for n in names if n.startswith("ddpexp/") and n.endswith(".py")}
+    assert packed <= modules | {"ddpexp/conf/__init__.py"}, sorted(packed - modules)  # nothing stale

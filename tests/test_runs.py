@@ -144,9 +144,8 @@ def test_strategy_facts(parity_sweep: Path):
 def test_init_and_start_methods_train_to_the_same_parameters_as_env(parity_sweep: Path, tmp_path: Path):
     """tcp:// and file:// rendezvous, with workers started as fresh interpreters (spawn) instead of
     forked from the forkserver, train exactly as parity_sweep's env:// forkserver run."""
-    result = run_here(
-        tmp_path, "-m", "strategy=ddp", "init=tcp,file", "dist.start_method=spawn", *PARITY, "hydra.sweep.dir=s"
-    )
+    spawned = ["strategy=ddp", "init=tcp,file", "dist.start_method=spawn"]
+    result = run_here(tmp_path, "-m", *spawned, *PARITY, "hydra.sweep.dir=s")
     assert result.returncode == 0, result
     assert metrics(parity_sweep / "strategy=ddp")["facts"]["start_method"] == "forkserver"
     env = weights(parity_sweep / "strategy=ddp")

@@ -37,8 +37,8 @@ def test_every_shipped_model_splits_into_stages_that_compose_to_its_forward(name
 
     cfg = compose(config_name="config", overrides=[f"model={name}", "data=synthetic"])
     if name in ("gcnn", "embbag"):
-        info = DataInfo(num_classes=2, input_shape=(16,), vocab_size=50, pad_index=0)
-        x = torch.randint(0, 50, (3, 16))
+        info = DataInfo(num_classes=2, input_shape=(128,), vocab_size=50, pad_index=0)
+        x = torch.randint(0, 50, (3, 128))
     else:
         info = instantiate(cfg.data).info()
         x = torch.randn(3, 1, 28, 28)
@@ -65,6 +65,7 @@ def _host(gpus: int) -> HostFacts:
         (["strategy=dp"], 0, dict(replicas=1, device_type="cpu", devices_per_process=1)),
         (["strategy=naive_allreduce", "backend='cpu:gloo,cuda:nccl'"], 2, dict(backend="cpu:gloo,cuda:nccl")),
         (["strategy=ddp", "dist.nprocs=3", "trainer.batch_size=66"], 0, dict(world_size=3, backend="gloo")),
+        (["strategy=ddp", "backend=GLOO"], 0, dict(backend="gloo")),  # torch takes either case
     ],
 )
 def test_plan(overrides: list[str], gpus: int, expect: dict[str, object]):

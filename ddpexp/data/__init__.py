@@ -21,6 +21,13 @@ class DataInfo:
     input_shape: tuple[int, ...]  # (C, H, W) for images; (L,) token ids for text
     vocab_size: int | None = None  # text only: rows of the embedding table
     pad_index: int | None = None  # text only: the padding token's id
+    # What the targets are: "class" indices (num_classes = classes) or float "value"s for regression
+    # (num_classes = outputs per sample). The task must match (ddpexp/tasks.py).
+    targets: str = "class"
+    # Split sizes, where the source knows them without loading (pre-flight refuses a run that would
+    # take no optimizer step); None: checked by each worker once the data is loaded.
+    train_samples: int | None = None
+    eval_samples: int | None = None
 
     def model_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"num_classes": self.num_classes, "input_shape": list(self.input_shape)}
@@ -69,6 +76,34 @@ class DataSource:
 
     def load(self, work_dir: Path) -> Splits:
         raise NotImplementedError
+
+
+def build_source(data_cfg: Any) -> DataSource:
+    """The data section's `_target_`, called: a DataSource as it is, or the torch Dataset(s) a builder
+    of yours returned, wrapped (data/external.py, with its settings val_fraction, split_seed and
+    num_classes held back from builders that do not declare them)."""
+    from hydra.utils import get_method, instantiate
+    from omegaconf import OmegaConf
+
+    from ..errors import UserError
+    from .external import SETTINGS, External, keyword_parameters
+
+    target = str(data_cfg["_target_"])
+    declared = keyword_parameters(get_method(target)) or set()
+    held = {k: data_cfg[k] for k in SETTINGS if k in data_cfg and k not in declared}
+    arguments = OmegaConf.masked_copy(data_cfg, [k for k in data_cfg if k not in held])
+    made = instantiate(arguments, _convert_="all")
+    if isinstance(made, DataSource):
+        if held:
+            key = next(iter(held))
+            raise UserError(
+                f"is not an argument of {target}, which builds its own DataSource",
+                setting=f"data.{key}",
+                fix=f"remove data.{key}",
+            )
+        return made
+    settings = {**SETTINGS, **{k: v for k, v in held.items() if v is not None}}
+    return External(made, target=target, **settings)
 
 
 def resolve_root(root: str) -> Path:
