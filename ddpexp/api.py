@@ -74,8 +74,13 @@ def _run(overrides: list[str], *, multirun: bool, config_dir: str | None) -> lis
 
     started_at = time.time()
     overrides = overrides + search_path_override(config_dir)
-    overrides = preflight(overrides, multirun=multirun)
-    outcomes = run_jobs(overrides, multirun=multirun, started_at=started_at, report=_log_outcome)
+    checked = preflight(overrides, multirun=multirun)
+    if checked.joining is not None:  # dist.node_rank > 0: this machine joins the run node 0 makes
+        from .launch import nodes
+
+        outcomes = [nodes.follow(*checked.joining)]
+    else:
+        outcomes = run_jobs(checked.overrides, multirun=multirun, started_at=started_at, report=_log_outcome)
     return [Result.read(o.run_dir, o.exit_code) for o in outcomes]
 
 

@@ -5,6 +5,9 @@
 
 Bad input stops at pre-flight with one line and exit code 2: no process spawned, no directory made.
 Under torchrun only rank 0 composes; the other ranks take the resolved job from it (launch/torchrun.py).
+torch.distributed.launch's `--local-rank=N` is taken out of argv first (torchrun.take_local_rank).
+Self-launched on several machines (dist.nnodes), only node 0 runs Hydra; the others, after their own
+pre-flight, join node 0's run directory (launch/nodes.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, "")
     from hydra._internal.utils import get_args_parser
 
+    from .launch import torchrun
+
+    try:
+        argv = torchrun.take_local_rank(argv)  # torch.distributed.launch passes --local-rank=N
+    except UserError as exc:
+        print(f"ddpexp: error: {exc}", file=sys.stderr)
+        sys.exit(UserError.exit_code)
     args, unknown = get_args_parser().parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=", 1)[0]
@@ -39,8 +49,6 @@ def main(argv: list[str] | None = None) -> None:
 
         print(help_text())
         return
-    from .launch import torchrun
-
     if torchrun.is_follower():
         sys.exit(torchrun.follow())
     if not _is_plain_run(args):  # --cfg, --info, --shell-completion...: Hydra's own business
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         overrides = list(args.overrides) + search_path_override(args.config_dir)
         external = ExternalWorld(*world) if world else None
-        overrides = preflight(overrides, multirun=args.multirun, external=external, config_name=name)
+        checked = preflight(overrides, multirun=args.multirun, external=external, config_name=name)
     except NothingToDo as done:
         print(f"ddpexp: {done}", flush=True)
         sys.exit(0)
@@ -70,10 +78,30 @@ def main(argv: list[str] | None = None) -> None:
             torchrun.publish_error(exc)
         print(f"ddpexp: error: {exc}", file=sys.stderr)
         sys.exit(UserError.exit_code)
-    outcomes = run_jobs(
-        overrides, multirun=args.multirun, started_at=started_at, report=_print_outcome, config_name=name
-    )
+    if checked.joining is not None:  # dist.node_rank > 0: join the run dir node 0 makes; make none here
+        outcomes = [_join(*checked.joining)]
+    else:
+        outcomes = run_jobs(
+            checked.overrides,
+            multirun=args.multirun,
+            started_at=started_at,
+            report=_print_outcome,
+            config_name=name,
+        )
     sys.exit(next((o.exit_code for o in outcomes if o.exit_code != 0), 0))
+
+
+def _join(cfg: Any, plan: Any) -> Any:
+    """A machine other than node 0 of a multi-node self-launch: its workers join node 0's run."""
+    from .launch import nodes
+
+    try:
+        outcome = nodes.follow(cfg, plan)
+    except UserError as exc:
+        print(f"ddpexp: error: {exc}", file=sys.stderr)
+        sys.exit(UserError.exit_code)
+    _print_outcome(outcome)
+    return outcome
 
 
 def _print_outcome(outcome: Any) -> None:

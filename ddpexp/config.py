@@ -99,7 +99,13 @@ class DistConfig:
     # Processes per node when ddpexp launches its own workers. None: the strategy's default (one per
     # GPU, or 2 without GPUs, for the data-parallel strategies).
     nprocs: int | None = None
-    # Rendezvous address for init=env/tcp. Self-launch is one node, so loopback is right.
+    # Self-launch on several machines: run the same command on each, with nnodes the machine count and
+    # node_rank this machine's place (0: the one at master_addr, which makes the run directory; the
+    # others join it, so it must be on a filesystem every node sees). Global rank = node_rank x nprocs
+    # + local rank. Needs master_port; node 0's launcher also listens on master_port + 1.
+    nnodes: int = 1
+    node_rank: int = 0
+    # Rendezvous address for init=env/tcp. Loopback on one machine; with nnodes > 1, node 0's address.
     master_addr: str = "127.0.0.1"
     # None: a free port is picked for every job (sweeps run jobs side by side without clashes).
     master_port: int | None = None

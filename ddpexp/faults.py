@@ -67,8 +67,10 @@ def parse(spec: str) -> Fault:
     return Fault(rank=int(m.group(1)), step=int(m.group(2)), action=m.group(3))
 
 
-def check(world_size: int, spec: str | None) -> None:
-    """Pre-flight: a fault that is malformed or can never fire is an error, not a silent no-op."""
+def check(world_size: int, spec: str | None, *, schedule: Schedule | None = None) -> None:
+    """Pre-flight: a fault that is malformed or can never fire is an error, not a silent no-op. With
+    the run's step schedule (where the data's size is known before loading), also a step the run
+    never reaches, or a kill_in_save at a step that saves nothing."""
     if not spec:
         return
     fault = parse(spec)
@@ -77,6 +79,44 @@ def check(world_size: int, spec: str | None) -> None:
             f"{ENV}={spec!r} can never fire in a run of {world_size} rank(s)",
             fix=f"name a rank below {world_size} (rank0 for kill_in_save: only rank 0 saves) and a step >= 1",
         )
+    if schedule is None:
+        return
+    if fault.step > schedule.total:
+        raise UserError(
+            f"{ENV}={spec!r} can never fire: the run takes {schedule.total} optimizer steps",
+            fix=f"name a step <= {schedule.total}, or train longer",
+        )
+    saves = schedule.save_steps()
+    if fault.action == "kill_in_save" and fault.step not in saves:
+        shown = ", ".join(str(s) for s in sorted(saves)[:5])
+        raise UserError(
+            f"{ENV}={spec!r} can never fire: no checkpoint is saved at step {fault.step}",
+            fix=f"name a step that saves (here {shown}...), or set checkpoint.every_steps",
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where a run's optimizer steps and periodic saves fall."""
+
+    steps_per_epoch: int
+    epochs: int
+    max_steps: int | None
+    every_steps: int | None
+
+    @property
+    def total(self) -> int:
+        planned = self.steps_per_epoch * self.epochs
+        return planned if self.max_steps is None else min(planned, self.max_steps)
+
+    def save_steps(self) -> set[int]:
+        total, spe = self.total, max(self.steps_per_epoch, 1)
+        steps = {total}
+        if self.every_steps:
+            steps |= set(range(self.every_steps, total + 1, self.every_steps))
+        # every epoch end may save: periodically, or because best.pt improved
+        steps |= {e * spe for e in range(1, self.epochs + 1) if e * spe <= total}
+        return steps
 
 
 def for_process(spec: str | None, *, rank: int, attempt: int) -> Fault | None:

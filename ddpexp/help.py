@@ -26,6 +26,7 @@ Frequent settings (full list: python -m ddpexp --cfg job):
   backend=auto|nccl|gloo|mpi  init=env|tcp|file  device=auto|cpu|cuda  seed=0
   dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)  dist.timeout_s=600
   dist.max_restarts=N (restart after a failure, resuming from the newest checkpoint)
+  dist.nnodes=N dist.node_rank=R dist.master_addr=NODE0 dist.master_port=P (one command per machine)
   hydra/launcher=slurm (with -m: one Slurm job per sweep job)
   loader.mode=auto|device|dataloader
   trainer.precision=32|bf16|fp16  trainer.accumulate=K  trainer.clip_grad_norm=X  trainer.compile=true

@@ -6,6 +6,7 @@ never write: bad input stops here with one line and the fix, and no process or d
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,23 @@ from .errors import UserError
 from .validate import ExternalWorld, HostFacts, Plan, check_split_sizes, plan
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What pre-flight hands on. `overrides`: what Hydra runs the job(s) with. `joining`: on a machine
+    other than node 0 of a multi-node self-launch (dist.node_rank > 0), its job and plan: that machine
+    joins the run node 0 makes (launch/nodes.follow) instead of running Hydra."""
+
+    overrides: list[str]
+    joining: tuple[DictConfig, Plan] | None = None
+
+
 def preflight(
     overrides: list[str],
     *,
     multirun: bool,
     external: ExternalWorld | None = None,
     config_name: str = composition.CONFIG_NAME,
-) -> list[str]:
+) -> Checked:
     """Check every job; return the overrides to run Hydra with (settings of swept groups applied to
     every job, sweep sub-directories named after what varies)."""
     if multirun and external is not None:
@@ -38,24 +49,25 @@ def preflight(
         overrides, jobs = overrides + dropped, [job + dropped for job in jobs]
         local = HostFacts.probe()
         spawns = []
+        joining = None
         for job_overrides in jobs:
             cfg = compose(job_overrides)
             host = composition.remote_host(cfg) or local
-            if (
-                check_job(cfg, host, external=external, multirun=multirun).launcher == "spawn"
-                and host is local
-            ):
+            p = check_job(cfg, host, external=external, multirun=multirun)
+            if p.launcher == "spawn" and host is local:
                 spawns.append(cfg.dist.start_method)
+            if cfg.dist.node_rank > 0:
+                joining = (cfg, p)
     if spawns:  # the forkserver imports torch while Hydra sets up the first job
         from .launch.spawn import prewarm
 
         prewarm(spawns[0])
     if not multirun or not varying:
-        return overrides
+        return Checked(overrides, joining)
     # Name sweep sub-directories after what varies between the jobs only (readable TensorBoard runs).
     constant = sorted({composition.override_key(o) for o in jobs[0]} - varying)
     exclude = [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(constant)}]"] if constant else []
-    return overrides + exclude
+    return Checked(overrides + exclude)
 
 
 def replaced_settings(jobs: list[list[str]], compose: Any) -> list[str]:
@@ -105,6 +117,11 @@ def check_job(
     p = plan(cfg, host, external)
     if not multirun:
         check_single_job(cfg, p)
+    elif cfg.dist.nnodes > 1:
+        raise UserError(
+            "a sweep cannot span machines", setting="dist.nnodes", fix="run one job per command on each node"
+        )
+    joining = cfg.dist.node_rank > 0  # node 0's ports, rendezvous file and run dir: not this machine's
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
@@ -116,16 +133,17 @@ def check_job(
     if p.launcher == "spawn":
         check_cpu_processes(cfg, p)
         check_master_addr(cfg)
-        check_port(cfg)
-        check_init_file(cfg)
-    faults.check(p.world_size, os.environ.get(FAULT_ENV))
+        if not joining:
+            check_port(cfg)
+            check_init_file(cfg)
+    faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, source.info()))
     from .weights import check_initial, check_resume
 
     check_resume(cfg.trainer.resume, model)
-    if cfg.trainer.resume == "auto" and not multirun and external is None and "hydra" in cfg:
+    if cfg.trainer.resume == "auto" and not multirun and external is None and "hydra" in cfg and not joining:
         check_auto_resume(Path(cfg.hydra.run.dir), model, cfg)
     check_initial(cfg.model, model)
-    if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume:
+    if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume and not joining:
         check_run_dir(Path(cfg.hydra.run.dir))
     return p
 
@@ -159,6 +177,18 @@ def check_single_job(cfg: DictConfig, p: Plan) -> None:
             setting="backend",
             fix="drop the backend override, or use a multi-process strategy such as strategy=ddp",
         )
+
+
+def _schedule(cfg: DictConfig, p: Plan, info: Any) -> faults.Schedule | None:
+    if info.train_samples is None:
+        return None
+    t = cfg.trainer
+    return faults.Schedule(
+        steps_per_epoch=info.train_samples // p.world_size // p.per_rank_batch // t.accumulate,
+        epochs=t.epochs,
+        max_steps=t.max_steps,
+        every_steps=cfg.checkpoint.every_steps,
+    )
 
 
 def check_task(cfg: DictConfig, info: Any) -> None:
@@ -239,7 +269,7 @@ def check_master_addr(cfg: DictConfig) -> None:
     import socket
 
     addr = cfg.dist.master_addr
-    if cfg.init.value not in ("env", "tcp"):
+    if cfg.init.value not in ("env", "tcp") and cfg.dist.nnodes == 1:  # several nodes meet node 0 there
         return
     try:
         socket.getaddrinfo(addr, None)
@@ -255,11 +285,19 @@ def check_port(cfg: DictConfig) -> None:
     from .launch.rendezvous import port_is_free
 
     port = cfg.dist.master_port
-    if port is not None and cfg.init.value in ("env", "tcp") and not port_is_free(cfg.dist.master_addr, port):
+    if port is None:
+        return
+    ports = [port] if cfg.init.value in ("env", "tcp") else []
+    if cfg.dist.nnodes > 1:
+        ports.append(port + 1)  # node 0's launcher hands the job to the other nodes there
+    busy = next((p for p in ports if not port_is_free(cfg.dist.master_addr, p)), None)
+    if busy is not None:
         raise UserError(
-            f"port {port} on {cfg.dist.master_addr} is already in use",
+            f"port {busy} on {cfg.dist.master_addr} is already in use",
             setting="dist.master_port",
-            fix="pick another port, or leave dist.master_port unset to get a free one",
+            fix="pick another port, one whose next port is free too, on every node's command"
+            if cfg.dist.nnodes > 1
+            else "pick another port, or leave dist.master_port unset to get a free one",
         )
 
 

@@ -143,6 +143,7 @@ def _layout(
 ) -> tuple[str, int, int]:
     """(launcher, processes per node, world size)."""
     init = InitMethod(cfg.init).value
+    _check_nodes(cfg.dist, strategy, external)
     if not strategy.uses_process_group:
         if external is not None and external.world_size > 1:
             raise UserError(
@@ -171,7 +172,51 @@ def _layout(
     nprocs = cfg.dist.nprocs
     if nprocs is None:
         nprocs = strategy.default_nprocs(settings, device_type=device_type, host=host, devices_per_process=k)
-    return "spawn", nprocs, nprocs
+    return "spawn", nprocs, nprocs * cfg.dist.nnodes
+
+
+def _check_nodes(dist: DictConfig, strategy: Strategy[Any], external: ExternalWorld | None) -> None:
+    """dist.nnodes/dist.node_rank: several machines, each self-launching its share of the ranks; they
+    meet node 0 on a port known in advance (launch/nodes.py)."""
+    nnodes, node_rank = dist.nnodes, dist.node_rank
+    if not 0 <= node_rank < nnodes:
+        raise UserError(
+            f"is {node_rank}, outside 0..{nnodes - 1} for dist.nnodes={nnodes}",
+            setting="dist.node_rank",
+            fix=f"give each machine its own dist.node_rank from 0 to {nnodes - 1} (0 at dist.master_addr)",
+        )
+    if nnodes == 1:
+        return
+    if external is not None:
+        raise UserError(
+            "is for self-launched runs; under torchrun its --nnodes counts the machines",
+            setting="dist.nnodes",
+            fix="drop dist.nnodes and dist.node_rank when running under torchrun",
+        )
+    if not strategy.uses_process_group:
+        raise UserError(
+            f"strategy {strategy.name!r} runs one process, on one machine",
+            setting="dist.nnodes",
+            fix="use strategy=ddp (or another multi-process strategy) across machines, or dist.nnodes=1",
+        )
+    if dist.master_port is None:
+        raise UserError(
+            f"must be set with dist.nnodes={nnodes}: every node meets node 0 on it",
+            setting="dist.master_port",
+            fix="add dist.master_port=29500 (or any port free on node 0) to every node's command",
+        )
+    if dist.master_port >= 65535:
+        raise UserError(
+            "leaves no port for node 0's launcher, which listens on dist.master_port + 1",
+            setting="dist.master_port",
+            fix="use a port below 65535",
+        )
+    if dist.max_restarts:
+        raise UserError(
+            "would restart one node's workers, not the others'",
+            setting="dist.max_restarts",
+            fix="start every node again with trainer.resume=auto, or run under torchrun --max-restarts",
+        )
 
 
 def _check_sizes(cfg: DictConfig) -> None:
@@ -182,6 +227,7 @@ def _check_sizes(cfg: DictConfig) -> None:
         "trainer.eval_every_epochs": t.eval_every_epochs,
         "trainer.log_every_steps": t.log_every_steps,
         "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.nnodes": cfg.dist.nnodes,
     }
     optional_positive = {
         "trainer.eval_batch_size": t.eval_batch_size,

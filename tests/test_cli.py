@@ -24,7 +24,10 @@ REFUSALS = [
     (["task=nosuch"], ["task", "nosuch", "classification"]),
     (["--epochs", "3"], ["--epochs is not an option", "key=value", "trainer.epochs=3"]),
     (["strategy=ddp", "backend='cpu:gloo,cuda:nccl'"], ["backend", "NCCL", "CPU", "backend=gloo"]),
-    (["strategy=ddp", "dist.nprocs=1000", "trainer.batch_size=1000"], ["dist.nprocs", "cores", "oversubscribe"]),
+    (
+        ["strategy=ddp", "dist.nprocs=1000", "trainer.batch_size=1000"],
+        ["dist.nprocs", "cores", "oversubscribe"],
+    ),
     (["strategy=ddp", "dist.master_addr=no-such-host.invalid"], ["dist.master_addr", "no-such-host.invalid"]),
     (["data=synthetic", "data.num_train=32"], ["trainer.batch_size", "no optimizer step", "<=32"]),
     (["data=synthetic", "data.num_eval=0"], ["eval split is empty", "data"]),
@@ -32,6 +35,21 @@ REFUSALS = [
     (["strategy=fsdp", "++strategy.device_ids=[0]"], ["device_ids", "strategy=dp"]),
     (["strategy=fsdp", "strategy.cpu_offload=true"], ["strategy.cpu_offload", "CPU"]),
     (["strategy=fsdp", "strategy.mixed_precision=fp8"], ["mixed_precision", "bf16", "fp16"]),
+    (
+        ["strategy=naive_allreduce", "++strategy.comm_hook=fp16"],
+        [
+            "strategy.comm_hook",
+            "not in 'NaiveAllreduceConfig'",
+            "strategy=ddp, strategy=ddp_mp, strategy=zero",
+        ],
+    ),
+    (["strategy=fsdp", "strategy.comm_hook=bf16"], ["strategy.comm_hook", "strategy=ddp"]),
+    (["strategy=ddp", "strategy.comm_hook=int8"], ["comm_hook", "none, fp16, bf16, powersgd"]),
+    (["strategy=zero", "strategy.powersgd_rank=0"], ["strategy.powersgd_rank", "> 0"]),
+    (
+        ["strategy=ddp", "strategy.comm_hook=powersgd", "strategy.powersgd_start_iter=1"],
+        ["strategy.powersgd_start_iter", "2 or more"],
+    ),
     (["+trainer.fast_dev_run=true"], ["trainer.fast_dev_run", "TrainerConfig", "+"]),
     (["++trainer.epochz=3"], ["epochz", "did you mean trainer.epochs?"]),
     (["+nosuch=1"], ["nosuch", "top level"]),
@@ -98,6 +116,21 @@ REFUSALS = [
     (["strategy=ddp", "init=tcp", "dist.master_addr=10.0.0.300"], ["dist.master_addr", "10.0.0.300"]),
     (["strategy=ddp", "init=tcp", "dist.master_addr=node1:29500"], ["dist.master_port=29500"]),
     (["strategy=ddp", "dist.master_port=70000"], ["dist.master_port", "70000"]),
+    (["--local-rank=0", "strategy=ddp"], ["--local-rank", "torch.distributed.launch", "RANK", "self-launch"]),
+    (["--local_rank", "x", "strategy=ddp"], ["--local-rank", "'x' is not a rank"]),
+    (["strategy=ddp", "dist.nnodes=2"], ["dist.master_port", "dist.nnodes=2", "dist.master_port=29500"]),
+    (
+        ["strategy=ddp", "dist.nnodes=2", "dist.node_rank=2", "dist.master_port=29500"],
+        ["dist.node_rank", "outside 0..1", "from 0 to 1"],
+    ),
+    (["strategy=ddp", "dist.node_rank=-1"], ["dist.node_rank", "-1", "dist.node_rank from 0 to 0"]),
+    (["strategy=ddp", "dist.nnodes=0"], ["dist.nnodes", "> 0"]),
+    (["dist.nnodes=2", "dist.master_port=29500"], ["dist.nnodes", "'single'", "strategy=ddp"]),
+    (
+        ["strategy=ddp", "dist.nnodes=2", "dist.master_port=29500", "dist.max_restarts=1"],
+        ["dist.max_restarts", "trainer.resume=auto"],
+    ),
+    (["-m", "strategy=ddp", "dist.nnodes=2", "dist.master_port=29500"], ["sweep", "machines"]),
     (
         ["strategy=ddp", "init=file", "dist.init_file=/nonexistent/dir/rdzv"],
         ["dist.init_file", "/nonexistent/dir/rdzv", "does not exist"],
@@ -167,7 +200,13 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(
 
 @pytest.mark.parametrize(
     ("spec", "words"),
-    [("rank1:step5:explode", ["rank<R>:step<S>"]), ("rank2:step5:kill", ["can never fire", "2 rank(s)"])],
+    [
+        ("rank1:step5:explode", ["rank<R>:step<S>"]),
+        ("rank2:step5:kill", ["can never fire", "2 rank(s)"]),
+        # the README's old example: digits at batch 64 on 2 ranks saves at steps 22, 44, ... only
+        ("rank0:step10:kill_in_save", ["no checkpoint is saved at step 10", "22"]),
+        ("rank1:step99999:raise", ["can never fire", "takes 220 optimizer steps"]),
+    ],
 )
 def test_a_malformed_fault_is_refused(tmp_path: Path, monkeypatch, capsys, spec: str, words: list[str]):
     monkeypatch.setenv("DDPEXP_FAULT", spec)
@@ -189,6 +228,36 @@ def test_a_stale_rendezvous_file_is_refused(tmp_path: Path, tmp_path_factory, mo
     stale.write_text("")
     line = refuse(tmp_path, monkeypatch, capsys, "strategy=ddp", "init=file", f"dist.init_file={stale}")
     assert "dist.init_file" in line and "already exists" in line and stale.exists()
+
+
+# What torch.distributed.launch sets besides --local-rank=N (torch >= 2.0 sets LOCAL_RANK too).
+LAUNCH_ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--local-rank=1", "strategy=ddp"],
+        ["--local-rank", "1", "strategy=ddp"],
+        ["--local_rank=1", "strategy=ddp"],
+        ["strategy=ddp", "--local_rank", "1"],
+    ],
+)
+def test_torch_distributed_launch_local_rank_argument_becomes_local_rank(argv: list[str]):
+    from ddpexp.launch.torchrun import take_local_rank
+
+    env = dict(LAUNCH_ENV)
+    assert take_local_rank(argv, env) == ["strategy=ddp"]
+    assert env["LOCAL_RANK"] == "1"  # supplied where the launcher set none
+    assert take_local_rank(argv, env) == ["strategy=ddp"]  # and agreeing where it did
+
+
+def test_a_local_rank_argument_that_disagrees_with_the_launcher_is_refused():
+    from ddpexp.errors import UserError
+    from ddpexp.launch.torchrun import take_local_rank
+
+    with pytest.raises(UserError, match="--local-rank=1 disagrees with LOCAL_RANK=0"):
+        take_local_rank(["--local-rank=1"], {**LAUNCH_ENV, "LOCAL_RANK": "0"})
 
 
 def test_help_lists_config_groups_with_one_line_each(capsys):

@@ -190,3 +190,13 @@ def test_cifar_augmentation_crops_and_flips_per_image():
         assert torch.equal(no_pad[i], x[i]) or torch.equal(no_pad[i], x[i].flip(2))
     # every output value comes from the image itself or the zero padding
     assert set(out.unique().tolist()) <= set(x.unique().tolist()) | {0.0}
+
+
+def test_digits_says_its_split_sizes_before_loading(tmp_path: Path):
+    """Pre-flight counts steps from these (no-step runs, faults that cannot fire): they must be true."""
+    from ddpexp.data.digits import digits
+
+    source = digits()
+    splits = source.load(tmp_path)
+    info = source.info()
+    assert (info.train_samples, info.eval_samples) == (len(splits.train.dataset), len(splits.eval.dataset))

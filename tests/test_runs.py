@@ -174,6 +174,34 @@ def test_torchrun_matches_self_launch_with_one_run_dir(parity_sweep: Path, tmp_p
     assert ours["eval/loss"] == theirs["eval/loss"] and ours["train/loss"] == theirs["train/loss"]
 
 
+@pytest.mark.parametrize("use_env", [False, True], ids=["--local-rank", "--use-env"])
+def test_torch_distributed_launch_matches_self_launch_with_one_run_dir(
+    parity_sweep: Path, tmp_path: Path, use_env: bool
+):
+    """The deprecated launcher of the older tutorials: it passes --local-rank=N to every worker (or,
+    with --use-env, only sets LOCAL_RANK as torchrun does)."""
+    from ddpexp.launch.rendezvous import free_port
+
+    launch = [
+        sys.executable,
+        *("-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port('127.0.0.1')}"),
+        *(["--use-env"] if use_env else []),
+        "-m",
+    ]
+    result = run_ddpexp(tmp_path, "strategy=ddp", *PARITY, launcher=launch)
+    assert result.returncode == 0, result
+    (run_dir,) = result.run_dirs()
+    assert list((tmp_path / "outputs").glob("*/*")) == [run_dir]
+    facts = metrics(run_dir)["facts"]
+    assert facts["launcher"] == "torchrun" and facts["world_size"] == 2
+    self_launched = weights(parity_sweep / "strategy=ddp")
+    for name, value in weights(run_dir).items():
+        assert torch.equal(value, self_launched[name]), name
+    ours = metrics(run_dir)["final"]
+    theirs = metrics(parity_sweep / "strategy=ddp")["final"]
+    assert ours["eval/loss"] == theirs["eval/loss"] and ours["train/loss"] == theirs["train/loss"]
+
+
 # ------------------------------------------------------------------------------------- exact eval
 
 EVAL = [*QUICK, "data.num_eval=511", "trainer.max_steps=0", "trainer.batch_size=60"]
@@ -239,3 +267,56 @@ def test_two_torchrun_nodes_on_localhost_make_one_run(parity_sweep: Path, tmp_pa
     reference = weights(parity_sweep / "strategy=ddp")
     for name, value in weights(run_dir).items():
         torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ two nodes, self-launched
+
+
+def test_two_self_launched_nodes_on_localhost_make_one_run(parity_sweep: Path, tmp_path: Path):
+    """Tutorials 002/004: the same command on every machine, each with its dist.node_rank. Node 0 makes
+    the run directory; node 1 joins it (a shared filesystem, here the same disk). init=env; tcp and
+    file differ only in the URL the workers get (each case costs ~15 s more, so they are not here)."""
+    from ddpexp.launch.rendezvous import free_port, port_is_free
+
+    port = free_port("127.0.0.1")
+    while not port_is_free("127.0.0.1", port + 1):  # node 0's launcher hands the job over on port + 1
+        port = free_port("127.0.0.1")
+    common = ["strategy=ddp", "dist.nprocs=1", "dist.nnodes=2", f"dist.master_port={port}"]
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir(), node1.mkdir()
+    second = subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", *common, "dist.node_rank=1", *PARITY],
+        cwd=node1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        first = run_ddpexp(node0, *common, "dist.node_rank=0", *PARITY)
+        out1, _ = second.communicate(timeout=120)
+    finally:
+        second.kill()
+    assert first.returncode == 0, first
+    assert second.returncode == 0, out1
+    (run_dir,) = first.run_dirs()
+    assert list(node1.iterdir()) == []  # the second node made no run directory of its own
+    assert f"run dir: {run_dir}" in out1  # it names the one it joined
+    facts = metrics(run_dir)["facts"]
+    assert (facts["world_size"], facts["nnodes"], facts["nprocs_per_node"]) == (2, 2, 1)
+    assert (run_dir / "logs" / "rank0.log").exists() and (run_dir / "logs" / "rank1.log").exists()
+    reference = weights(parity_sweep / "strategy=ddp")  # one node, the same world size
+    for name, value in weights(run_dir).items():  # close, not equal: a rank alone gets all the cores
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_node_that_never_meets_node_0_says_where_it_waited(tmp_path: Path):
+    from ddpexp.launch.rendezvous import free_port
+
+    port = free_port("127.0.0.1")
+    nodes = ["strategy=ddp", "dist.nprocs=1", "dist.nnodes=2", "dist.node_rank=1", f"dist.master_port={port}"]
+    result = run_here(tmp_path, *nodes, "dist.timeout_s=1", *QUICK)
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert f"127.0.0.1:{port + 1}" in line and "dist.node_rank=0" in line and "dist.timeout_s=1" in line
+    assert list(tmp_path.iterdir()) == []  # no run directory of its own

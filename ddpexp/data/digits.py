@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from ..errors import UserError
 from . import DataInfo, DataSource, Split, Splits
 
+SAMPLES = 1797  # the scans scikit-learn ships (load() reads them; a test checks the count)
+
 
 class Digits(DataSource):
     name = "digits"
@@ -24,7 +26,13 @@ class Digits(DataSource):
         self.split_seed = split_seed
 
     def info(self) -> DataInfo:
-        return DataInfo(num_classes=10, input_shape=(1, self.image_size, self.image_size))
+        n_eval = round(SAMPLES * self.eval_fraction)
+        return DataInfo(
+            num_classes=10,
+            input_shape=(1, self.image_size, self.image_size),
+            train_samples=SAMPLES - n_eval,
+            eval_samples=n_eval,
+        )
 
     def load(self, work_dir: Path) -> Splits:
         pixels, labels = read_digits()

@@ -2,8 +2,10 @@
 
 rendezvous   free ports, the port check, init URLs (all pre-flight needs of the launcher)
 spawn        start one worker per rank on this node, restart the group after a failure
+nodes        self-launch on several machines: node 0 serves its job, the other nodes join its run dir
 supervise    watch the workers, stop them all on a failure or a signal, blame the right rank
 torchrun     rank 0 composes and publishes the job in torchrun's store; the other ranks read it
+             (also torch.distributed.launch, whose --local-rank argument it takes out of argv)
 worker       one worker process from start to exit code
 """
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from ..job import Job
+if TYPE_CHECKING:  # kept light: the command line imports launch.torchrun before --help
+    from ..job import Job
 
 
 def run(job: Job) -> int:
@@ -21,6 +25,10 @@ def run(job: Job) -> int:
         from .torchrun import lead
 
         return lead(job)
+    if job.plan.launcher == "spawn" and job.cfg.dist.nnodes > 1:
+        from .nodes import lead as lead_nodes
+
+        return lead_nodes(job)  # node 0; the other nodes join through nodes.follow, without Hydra
     if job.plan.launcher == "spawn":
         from .spawn import spawn
 

@@ -35,12 +35,13 @@ def init_file(dist_cfg: Any, run_dir: Path) -> Path:
     return Path(configured).resolve() if configured else run_dir / "rendezvous"
 
 
-def init_url(init: str, *, addr: str, port: int, rendezvous_file: Path) -> str:
-    """How the workers find each other: env:// (MASTER_ADDR/PORT), tcp://addr:port, or file:///path."""
+def init_url(init: str, *, addr: str, port: int, rendezvous_file: Path, joining: bool = False) -> str:
+    """How the workers find each other: env:// (MASTER_ADDR/PORT), tcp://addr:port, or file:///path.
+    `joining`: a node other than node 0, whose workers may have made the file already."""
     if init == "tcp":
         return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
     if init == "file":
-        if rendezvous_file.exists():  # pre-flight checked; another run may have created it since
+        if rendezvous_file.exists() and not joining:  # pre-flight checked; another run may have made it since
             raise UserError(
                 f"rendezvous file {rendezvous_file} already exists (a stale file would join the wrong run)",
                 setting="dist.init_file",

@@ -53,13 +53,15 @@ def prewarm(method: StartMethod) -> None:
         forkserver.ensure_running()
 
 
-def spawn(job: Job) -> int:
-    """Start the workers and supervise them; after a failure, restart them up to dist.max_restarts
-    times (each attempt resumes from the run's newest valid checkpoint, see resume.find_checkpoint)."""
+def spawn(job: Job, *, node_rank: int = 0) -> int:
+    """Start this node's workers and supervise them; after a failure, restart them up to
+    dist.max_restarts times (each attempt resumes from the run's newest valid checkpoint, see
+    resume.find_checkpoint). Node `node_rank` > 0 of a multi-node run (launch/nodes.py) joins node 0's
+    run: node 0 owns the port, the rendezvous file and metrics.json."""
     restarts = job.cfg.dist.max_restarts
     attempt = 0
     while True:
-        code = _spawn_attempt(job, attempt)
+        code = _spawn_attempt(job, attempt, node_rank)
         if code in (0, UserError.exit_code, 130, 143) or attempt == restarts:
             return code
         attempt += 1
@@ -71,11 +73,12 @@ def spawn(job: Job) -> int:
         _archive_errors(job.run_dir, attempt - 1)
 
 
-def _spawn_attempt(job: Job, attempt: int) -> int:
+def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
     cfg = job.cfg
     addr = cfg.dist.master_addr
     port = cfg.dist.master_port or rendezvous.free_port(addr)
-    if cfg.dist.master_port and not rendezvous.port_is_free(addr, port):
+    leads = node_rank == 0
+    if leads and cfg.dist.master_port and not rendezvous.port_is_free(addr, port):
         raise UserError(
             f"port {port} is already in use",
             setting="dist.master_port",
@@ -84,7 +87,9 @@ def _spawn_attempt(job: Job, attempt: int) -> int:
     logs = job.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rendezvous_file = rendezvous.init_file(cfg.dist, job.run_dir)
-    url = rendezvous.init_url(job.plan.init, addr=addr, port=port, rendezvous_file=rendezvous_file)
+    url = rendezvous.init_url(
+        job.plan.init, addr=addr, port=port, rendezvous_file=rendezvous_file, joining=not leads
+    )
     env = {
         **os.environ,
         "MASTER_ADDR": addr,
@@ -99,11 +104,14 @@ def _spawn_attempt(job: Job, attempt: int) -> int:
         "PYTHONUNBUFFERED": "1",
     }
     ctx = context(cfg.dist.start_method)
+    first = node_rank * job.plan.nprocs_per_node
     try:
-        workers = [_start_worker(ctx, rank, env, logs) for rank in range(job.plan.world_size)]
-        return Supervisor(job.run_dir, workers, facts=job.summary()).wait()
+        workers = [
+            _start_worker(ctx, first + local, local, env, logs) for local in range(job.plan.nprocs_per_node)
+        ]
+        return Supervisor(job.run_dir, workers, facts=job.summary(), records=leads).wait()
     finally:
-        if job.plan.init == "file":
+        if job.plan.init == "file" and leads:
             rendezvous_file.unlink(missing_ok=True)
 
 
@@ -124,8 +132,8 @@ class WorkerSpec:
     console: Any  # rank 0: the write end of a pipe to the launcher's console; None for the others
 
 
-def _start_worker(ctx: Any, rank: int, common: dict[str, str], logs: Path) -> Worker:
-    env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+def _start_worker(ctx: Any, rank: int, local_rank: int, common: dict[str, str], logs: Path) -> Worker:
+    env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
     log_path = logs / f"rank{rank}.log"
     reader, writer = ctx.Pipe(duplex=False) if rank == 0 else (None, None)
     from .worker import forked_main

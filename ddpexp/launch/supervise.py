@@ -80,10 +80,13 @@ class Worker:
 
 
 class Supervisor:
-    def __init__(self, run_dir: Path, workers: list[Worker], facts: dict[str, object]) -> None:
+    def __init__(
+        self, run_dir: Path, workers: list[Worker], facts: dict[str, object], *, records: bool = True
+    ) -> None:
         self.run_dir = run_dir
         self.workers = workers
         self.facts = facts  # what metrics.json says about the run if rank 0 never wrote it
+        self.records = records  # False on nodes other than node 0: metrics.json is node 0's to write
         self.signal_received: int | None = None
         self.stopping_since: float | None = None
 
@@ -124,7 +127,8 @@ class Supervisor:
             time.sleep(POLL_S)
         if self.signal_received is not None:
             name = signal.Signals(self.signal_received).name
-            finish_metrics(self.run_dir, "interrupted", f"stopped by signal {name}", facts=self.facts)
+            if self.records:
+                finish_metrics(self.run_dir, "interrupted", f"stopped by signal {name}", facts=self.facts)
             return 128 + self.signal_received
         if failed is None:
             return 0
@@ -138,7 +142,7 @@ class Supervisor:
 
     def _report_failure(self) -> int:
         rank, summary, detail, user_error = self._root_cause()
-        world = len(self.workers)
+        world = self.facts.get("world_size", len(self.workers))  # every node's ranks
         if user_error:
             print(f"ddpexp: error: {summary}", file=sys.stderr)
         else:
@@ -147,7 +151,13 @@ class Supervisor:
                 print(detail.rstrip(), file=sys.stderr)
             logs = self.run_dir / "logs"
             print(f"ddpexp: the other ranks were stopped; every rank's log is in {logs}", file=sys.stderr)
-        finish_metrics(self.run_dir, "failed", f"rank {rank}: {summary}", facts=self.facts)
+            if world != len(self.workers):  # dist.nnodes > 1: peers broken by a remote failure look alike
+                print(
+                    "ddpexp: a rank on another node may have failed first (see its log there)",
+                    file=sys.stderr,
+                )
+        if self.records:
+            finish_metrics(self.run_dir, "failed", f"rank {rank}: {summary}", facts=self.facts)
         return UserError.exit_code if user_error else 1
 
     def _root_cause(self) -> tuple[int, str, str, bool]:
