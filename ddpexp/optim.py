@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,24 +30,34 @@ def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
     return float(cfg.lr * factor)
 
 
-def build(
-    params: Iterable[torch.nn.Parameter], cfg: DictConfig, *, lr: float | None = None
-) -> torch.optim.Optimizer:
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer `optim.*` describes: its class and keyword arguments (all but the parameters).
+    Calling it on parameters builds it; a strategy that wraps the class (zero) reads both."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+
+    def __call__(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+def spec(cfg: DictConfig, *, lr: float | None = None) -> OptimizerSpec:
+    """The one definition of which optimizer the settings build (lr: the scaled LR, default optim.lr)."""
     check(cfg)
     lr = cfg.lr if lr is None else lr
     impl = {} if cfg.fused is None else {"fused": bool(cfg.fused)}
     if OptimizerName(cfg.name) == OptimizerName.sgd:
-        return torch.optim.SGD(
-            params,
-            lr=lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            weight_decay=cfg.weight_decay,
-            **impl,
-        )
-    return torch.optim.AdamW(
-        params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
-    )
+        sgd = {"momentum": cfg.momentum, "nesterov": cfg.nesterov, "weight_decay": cfg.weight_decay}
+        return OptimizerSpec(torch.optim.SGD, {"lr": lr, **sgd, **impl})
+    adamw = {"betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    return OptimizerSpec(torch.optim.AdamW, {"lr": lr, **adamw, **impl})
+
+
+def build(
+    params: Iterable[torch.nn.Parameter], cfg: DictConfig, *, lr: float | None = None
+) -> torch.optim.Optimizer:
+    return spec(cfg, lr=lr)(params)
 
 
 def lr_factor(cfg: Any, step: int, total_steps: int) -> float:

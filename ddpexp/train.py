@@ -39,7 +39,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     mode = loaders.choose_mode(cfg.loader.mode.value, splits.train, ctx.device)
     train_loader, eval_loader = (make_loader(job, ctx, splits, mode, train=t) for t in (True, False))
     lr = optim.scaled_lr(cfg.optim, job.plan.global_batch)
-    optimizer = strategy.build_optimizer(wrapped, lambda params: optim.build(params, cfg.optim, lr=lr))
+    optimizer = strategy.build_optimizer(wrapped, optim.spec(cfg.optim, lr=lr))
     steps = settings.total_steps(len(train_loader) // trainer.accumulate)
     resumed = resume.find_checkpoint(trainer.resume, ctx)
     best = Best(*tasks.best_of(cfg))

@@ -160,10 +160,16 @@ def test_init_and_start_methods_train_to_the_same_parameters_as_env(parity_sweep
 
 def test_torchrun_matches_self_launch_with_one_run_dir(parity_sweep: Path, tmp_path: Path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
-    result = run_ddpexp(tmp_path, "strategy=ddp", *PARITY, launcher=torchrun)
+    _assert_one_run_like_self_launch(
+        run_ddpexp(tmp_path, "strategy=ddp", *PARITY, launcher=torchrun), parity_sweep
+    )
+
+
+def _assert_one_run_like_self_launch(result, parity_sweep: Path) -> None:
+    """A run started by an external launcher: one run dir, and exactly parity_sweep's self-launched ddp."""
     assert result.returncode == 0, result
     (run_dir,) = result.run_dirs()
-    assert list((tmp_path / "outputs").glob("*/*")) == [run_dir]
+    assert list((result.cwd / "outputs").glob("*/*")) == [run_dir]
     facts = metrics(run_dir)["facts"]
     assert facts["launcher"] == "torchrun" and facts["world_size"] == 2
     self_launched = weights(parity_sweep / "strategy=ddp")
@@ -188,18 +194,9 @@ def test_torch_distributed_launch_matches_self_launch_with_one_run_dir(
         *(["--use-env"] if use_env else []),
         "-m",
     ]
-    result = run_ddpexp(tmp_path, "strategy=ddp", *PARITY, launcher=launch)
-    assert result.returncode == 0, result
-    (run_dir,) = result.run_dirs()
-    assert list((tmp_path / "outputs").glob("*/*")) == [run_dir]
-    facts = metrics(run_dir)["facts"]
-    assert facts["launcher"] == "torchrun" and facts["world_size"] == 2
-    self_launched = weights(parity_sweep / "strategy=ddp")
-    for name, value in weights(run_dir).items():
-        assert torch.equal(value, self_launched[name]), name
-    ours = metrics(run_dir)["final"]
-    theirs = metrics(parity_sweep / "strategy=ddp")["final"]
-    assert ours["eval/loss"] == theirs["eval/loss"] and ours["train/loss"] == theirs["train/loss"]
+    _assert_one_run_like_self_launch(
+        run_ddpexp(tmp_path, "strategy=ddp", *PARITY, launcher=launch), parity_sweep
+    )
 
 
 # ------------------------------------------------------------------------------------- exact eval

@@ -36,7 +36,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 # ------------------------------------------------------------------------------------ exact resume
 
 
-@pytest.fixture(scope="module", params=["single", "ddp"])
+@pytest.fixture(scope="module", params=["single", "ddp", "zero"])
 def resumed(request, tmp_path_factory: pytest.TempPathFactory, uninterrupted):
     """An uninterrupted 70-step run, and a run stopped after 45 steps (mid-epoch 2) then resumed to 70."""
     strategy = request.param

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -35,6 +35,7 @@ from torch import nn
 
 from ..config import StrategyConfig
 from ..errors import UserError
+from ..optim import OptimizerSpec
 from .comm import CommMeter
 
 if TYPE_CHECKING:
@@ -44,10 +45,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Strategies shipped with ddpexp: the module ddpexp.strategies.<name> registers each.
-BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp")
+BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp", "zero")
 
 C = TypeVar("C", bound=StrategyConfig)
-MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# What build_optimizer gets: called on parameters it builds the configured optimizer; its `cls` and
+# `kwargs` are there for a strategy that wraps the class (zero: ZeroRedundancyOptimizer).
+MakeOptimizer = OptimizerSpec
 
 
 @dataclass

@@ -1,18 +1,26 @@
 """ddp: one process per device, DistributedDataParallel averages gradients with bucketed all-reduces
-that overlap the backward pass. Initial weights are broadcast from rank 0 when the wrapper is built."""
+that overlap the backward pass. Initial weights are broadcast from rank 0 when the wrapper is built.
+
+strategy.comm_hook compresses what the all-reduces send, with torch's DDP communication hooks:
+fp16/bf16 cast each bucket to that dtype (half the bytes), powersgd sends a rank-`powersgd_rank`
+factorisation of each gradient matrix after `powersgd_start_iter` full-precision steps (PowerSGD,
+Vogels et al. 2019, with error feedback). With trainer.measure_comm the chosen hook is wrapped in a
+timing hook that records the bytes it actually sends (comm.py). ddp_mp and zero share all of this."""
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import StrategyConfig
-from ..errors import require_positive
+from ..errors import UserError, require_positive
 from . import Strategy, Wrapped, maybe_sync_bn, register
-from .comm import CommMeter, timed_allreduce_hook
+from .comm import CommMeter, SentBytes, buffer_bytes, powersgd_bytes, timed_hook
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,6 +33,13 @@ SYNC_BUFFERS_ARG = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     else "broadcast_buffers"
 )
+
+
+class CommHook(StrEnum):
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    powersgd = "powersgd"
 
 
 @dataclass
@@ -42,6 +57,12 @@ class DdpConfig(StrategyConfig):
     static_graph: bool = False
     broadcast_buffers: bool | None = None
     find_unused_parameters: bool = False
+    # Gradient compression (a DDP communication hook): none | fp16 | bf16 (buckets all-reduced in that
+    # dtype: half the bytes) | powersgd (low-rank: P and Q of rank powersgd_rank per gradient matrix,
+    # after powersgd_start_iter uncompressed steps; at least 2, for its error feedback and warm start).
+    comm_hook: CommHook = CommHook.none
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 10
 
 
 @register
@@ -50,14 +71,27 @@ class DDP(Strategy[DdpConfig]):
     schema = DdpConfig
 
     def check(self, settings: DdpConfig, *, plan: Plan, host: HostFacts) -> None:
-        require_positive({}, {"strategy.bucket_cap_mb": settings.bucket_cap_mb})
+        check_settings(settings)
 
     def wrap(self, model: nn.Module, settings: DdpConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type).to(ctx.device)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs(settings))
-        return Wrapped(
-            module=ddp, base=model, no_sync=ddp.no_sync, comm=measure(ddp) if measure_comm else None
+        meter = register_comm_hook(ddp, settings, measure=measure_comm)
+        return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, comm=meter)
+
+
+def check_settings(settings: DdpConfig) -> None:
+    """The DDP settings' own refusals (shared with ddp_mp and zero)."""
+    require_positive(
+        {"strategy.powersgd_rank": settings.powersgd_rank}, {"strategy.bucket_cap_mb": settings.bucket_cap_mb}
+    )
+    if settings.comm_hook == CommHook.powersgd and settings.powersgd_start_iter < 2:
+        raise UserError(
+            f"PowerSGD needs at least 2 uncompressed steps before it compresses (its error feedback "
+            f"and warm start), got powersgd_start_iter={settings.powersgd_start_iter}",
+            setting="strategy.powersgd_start_iter",
+            fix="set strategy.powersgd_start_iter to 2 or more",
         )
 
 
@@ -78,7 +112,34 @@ def ddp_kwargs(settings: DdpConfig) -> dict[str, Any]:
     return kwargs
 
 
-def measure(ddp: DistributedDataParallel) -> CommMeter:
+def register_comm_hook(
+    ddp: DistributedDataParallel, settings: DdpConfig, *, measure: bool
+) -> CommMeter | None:
+    """Install strategy.comm_hook on `ddp` (none: DDP's own all-reduce), wrapped in the timing hook
+    when communication is measured; the meter, or None when it is not."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    state: Any = None  # the default and fp16/bf16 hooks take the process group: None = the world
+    hook: Any = default_hooks.allreduce_hook
+    sent: SentBytes = buffer_bytes()
+    casts = {
+        CommHook.fp16: (default_hooks.fp16_compress_hook, torch.float16),
+        CommHook.bf16: (default_hooks.bf16_compress_hook, torch.bfloat16),
+    }
+    if settings.comm_hook in casts:
+        hook, dtype = casts[settings.comm_hook]
+        sent = buffer_bytes(dtype)
+    elif settings.comm_hook == CommHook.powersgd:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=settings.powersgd_rank,
+            start_powerSGD_iter=settings.powersgd_start_iter,
+        )
+        hook, sent = powerSGD_hook.powerSGD_hook, powersgd_bytes(state)
+    if not measure:
+        if settings.comm_hook != CommHook.none:
+            ddp.register_comm_hook(state, hook)
+        return None
     meter = CommMeter()
-    ddp.register_comm_hook(None, timed_allreduce_hook(meter))
+    ddp.register_comm_hook(state, timed_hook(meter, hook, sent))
     return meter

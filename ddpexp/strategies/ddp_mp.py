@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, require_positive
 from . import Strategy, Wrapped, maybe_sync_bn, register
-from .ddp import DdpConfig, ddp_kwargs, measure
+from .ddp import DdpConfig, check_settings, ddp_kwargs, register_comm_hook
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -39,7 +39,7 @@ class DdpMp(Strategy[DdpMpConfig]):
         return settings.stages
 
     def check(self, settings: DdpMpConfig, *, plan: Plan, host: HostFacts) -> None:
-        require_positive({}, {"strategy.bucket_cap_mb": settings.bucket_cap_mb})
+        check_settings(settings)  # every ddp setting applies, strategy.comm_hook included
 
     def check_model(self, model: nn.Module, settings: DdpMpConfig) -> None:
         n = len(model_stages(model))
@@ -61,7 +61,7 @@ class DdpMp(Strategy[DdpMpConfig]):
             base=model,
             no_sync=ddp.no_sync,
             eval_module=pipeline,
-            comm=measure(ddp) if measure_comm else None,
+            comm=register_comm_hook(ddp, settings, measure=measure_comm),
         )
 
 

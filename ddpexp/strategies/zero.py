@@ -1,0 +1,61 @@
+"""zero: ddp with the optimizer state sharded across ranks (ZeRO stage 1), through torch's
+`ZeroRedundancyOptimizer`. DDP all-reduces the full gradients as usual (every ddp setting applies,
+strategy.comm_hook included); each rank then steps only the parameters it owns, with the configured
+optimizer on its shard of the state (momentum, Adam moments), and broadcasts the updated parameters to
+the others. Parameters and gradients stay replicated: only mem/optim_state_mb shrinks, to about 1/W.
+
+Checkpoints hold the full optimizer state, as a plain optimizer's state_dict: every rank sends its
+shard to rank 0 (`consolidate_state_dict`, collective), and on resume every rank is given the full
+state and keeps its own shard. So a zero checkpoint resumes under ddp or single, and theirs under zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import MakeOptimizer, Wrapped, register
+from .ddp import DDP, DdpConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ZeroConfig(DdpConfig):
+    name: str = "zero"
+
+
+@register
+class Zero(DDP):
+    """ddp's wrapping and settings; the optimizer and its checkpoint state are ZeRO's."""
+
+    name = "zero"
+    schema = ZeroConfig
+
+    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # The class and settings optim.* chose, built on this rank's shard of the parameters only.
+        params = list(wrapped.base.parameters())
+        return ZeroRedundancyOptimizer(params, optimizer_class=make.cls, **make.kwargs)
+
+    def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        zero = _zero(optimizer)
+        zero.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
+        return zero.state_dict() if zero.rank == 0 else {}  # only rank 0 writes the checkpoint
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        # ZeroRedundancyOptimizer keeps its own shard of the full state and overwrites the entries of
+        # the others' with None: give it a copy, not the checkpoint's dict.
+        _zero(optimizer).load_state_dict({**state, "state": dict(state["state"])})
+
+
+def _zero(optimizer: torch.optim.Optimizer) -> Any:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise TypeError(f"zero checkpoints need its ZeroRedundancyOptimizer, got {type(optimizer).__name__}")
+    return optimizer
