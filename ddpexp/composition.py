@@ -107,6 +107,7 @@ def _refuse_unknown_additions(parsed: list[Any]) -> None:
     nobody would read it (`+trainer.fast_dev_run=true`)."""
     import dataclasses
     import difflib
+    import typing
 
     from .config import Config
 
@@ -130,16 +131,10 @@ def _refuse_unknown_additions(parsed: list[Any]) -> None:
                     fix=hint + " (keys of model, data and task may be added with +)",
                 )
             path.append(part)
-            field_type = _resolved_field_types(schema).get(part)
+            field_type = typing.get_type_hints(schema).get(part)
             if not dataclasses.is_dataclass(field_type):
                 break
             schema = field_type
-
-
-def _resolved_field_types(schema: Any) -> dict[str, Any]:
-    import typing
-
-    return typing.get_type_hints(schema)
 
 
 def _swept_groups(parsed: list[Any]) -> set[str]:

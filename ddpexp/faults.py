@@ -101,13 +101,8 @@ class Schedule:
 
     steps_per_epoch: int
     epochs: int
-    max_steps: int | None
+    total: int  # optimizer steps the run takes (LoopSettings.total_steps)
     every_steps: int | None
-
-    @property
-    def total(self) -> int:
-        planned = self.steps_per_epoch * self.epochs
-        return planned if self.max_steps is None else min(planned, self.max_steps)
 
     def save_steps(self) -> set[int]:
         total, spe = self.total, max(self.steps_per_epoch, 1)

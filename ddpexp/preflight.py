@@ -125,18 +125,18 @@ def check_job(
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
-    check_task(cfg, source.info())
     info = source.info()
+    check_task(cfg, info)
     if info.train_samples is not None and info.eval_samples is not None:
         check_split_sizes(info.train_samples, info.eval_samples, p, cfg)
-    model = check_model(cfg.model, source.info(), cfg)
+    model = check_model(cfg.model, info, cfg)
     if p.launcher == "spawn":
         check_cpu_processes(cfg, p)
         check_master_addr(cfg)
         if not joining:
             check_port(cfg)
             check_init_file(cfg)
-    faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, source.info()))
+    faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, info))
     from .weights import check_initial, check_resume
 
     check_resume(cfg.trainer.resume, model)
@@ -182,12 +182,15 @@ def check_single_job(cfg: DictConfig, p: Plan) -> None:
 def _schedule(cfg: DictConfig, p: Plan, info: Any) -> faults.Schedule | None:
     if info.train_samples is None:
         return None
-    t = cfg.trainer
+    from .engine import LoopSettings
+
+    settings = LoopSettings.from_config(cfg, p)
+    steps_per_epoch = p.steps_per_epoch(info.train_samples, settings.accumulate)
     return faults.Schedule(
-        steps_per_epoch=info.train_samples // p.world_size // p.per_rank_batch // t.accumulate,
-        epochs=t.epochs,
-        max_steps=t.max_steps,
-        every_steps=cfg.checkpoint.every_steps,
+        steps_per_epoch=steps_per_epoch,
+        epochs=settings.epochs,
+        total=settings.total_steps(steps_per_epoch),
+        every_steps=settings.checkpoint_every_steps,
     )
 
 

@@ -63,9 +63,6 @@ class Best:
     metric: str = "eval/acc"
     mode: str = "max"
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", str(self.mode))  # a BestMode, or its value
-
     def improves(self, value: float | None, than: float | None) -> bool:
         if value is None or not math.isfinite(value):
             return False

@@ -76,6 +76,10 @@ class Plan:
         so processes count."""
         return self.world_size * (self.devices_per_process if self.device_type == "cuda" else 1)
 
+    def steps_per_epoch(self, train_samples: int, accumulate: int) -> int:
+        """Optimizer steps one epoch of `train_samples` gives (each rank's shard in whole micro-batches)."""
+        return train_samples // self.world_size // self.per_rank_batch // accumulate
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -362,15 +366,14 @@ def check_split_sizes(train_samples: int, eval_samples: int, p: Plan, cfg: DictC
     """A run that would take no optimizer step, or score nothing, is refused rather than reported as
     completed with its initial weights."""
     t = cfg.trainer
-    if t.mode == Mode.train and t.epochs > 0 and t.max_steps != 0:
-        steps = train_samples // p.world_size // p.per_rank_batch // t.accumulate
-        if steps == 0:
-            raise UserError(
-                f"{train_samples} training samples give no optimizer step at global batch {p.global_batch}"
-                + (f" x {t.accumulate} accumulated" if t.accumulate > 1 else ""),
-                setting="trainer.batch_size",
-                fix=f"use trainer.batch_size<={max(train_samples // t.accumulate, 1)} or more training data",
-            )
+    trains = t.mode == Mode.train and t.epochs > 0 and t.max_steps != 0
+    if trains and p.steps_per_epoch(train_samples, t.accumulate) == 0:
+        raise UserError(
+            f"{train_samples} training samples give no optimizer step at global batch {p.global_batch}"
+            + (f" x {t.accumulate} accumulated" if t.accumulate > 1 else ""),
+            setting="trainer.batch_size",
+            fix=f"use trainer.batch_size<={max(train_samples // t.accumulate, 1)} or more training data",
+        )
     if eval_samples < 1:
         raise UserError(
             "the eval split is empty: nothing to evaluate",

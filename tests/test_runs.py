@@ -19,7 +19,7 @@ from ddpexp.data.synthetic import synthetic
 from ddpexp.recorder import TAGS
 from ddpexp.train import seed_everything
 
-from .conftest import PARITY, PARITY_STRATEGIES, QUICK, STEPS, metrics, run_ddpexp, run_here, scalars
+from .conftest import PARITY, PARITY_STRATEGIES, QUICK, STEPS, Result, metrics, run_ddpexp, run_here, scalars
 
 pytestmark = pytest.mark.multiproc
 
@@ -239,31 +239,41 @@ def test_two_torchrun_nodes_on_localhost_make_one_run(parity_sweep: Path, tmp_pa
             *("--master_addr=127.0.0.1", f"--master_port={port}", "-m"),
         ]
 
+    _two_nodes(
+        tmp_path,
+        parity_sweep,
+        [*node(0), "ddpexp", "strategy=ddp", *PARITY],
+        [*node(1), "ddpexp", "strategy=ddp", *PARITY],
+    )
+
+
+def _two_nodes(tmp_path: Path, parity_sweep: Path, first: list[str], second: list[str]) -> tuple[Path, str]:
+    """Start node 1's command in the background, run node 0's, and check what every two-node run must
+    give: both exit 0, one run directory (node 0's; node 1 writes nothing where it runs), world size 2
+    over 2 nodes, and parity_sweep's 1-node ddp weights (close, not equal: a rank alone on its "node"
+    gets all the cores). Returns node 0's run directory and node 1's output."""
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     node0.mkdir(), node1.mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    second = subprocess.Popen(
-        [*node(1), "ddpexp", "strategy=ddp", *PARITY],
-        cwd=node1,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    joining = subprocess.Popen(
+        second, cwd=node1, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        first = run_ddpexp(node0, "strategy=ddp", *PARITY, launcher=node(0))
-        out1, _ = second.communicate(timeout=120)
+        leading = subprocess.run(first, cwd=node0, env=env, capture_output=True, text=True, timeout=240)
+        out1, _ = joining.communicate(timeout=120)
     finally:
-        second.kill()
-    assert first.returncode == 0, first
-    assert second.returncode == 0, out1
-    (run_dir,) = first.run_dirs()
-    assert list(node1.iterdir()) == []  # the second node composed nothing and wrote nothing
+        joining.kill()
+    result = Result(leading.returncode, leading.stdout, leading.stderr, node0)
+    assert result.returncode == 0, result
+    assert joining.returncode == 0, out1
+    (run_dir,) = result.run_dirs()
+    assert list(node1.iterdir()) == []
     facts = metrics(run_dir)["facts"]
     assert (facts["world_size"], facts["nnodes"], facts["nprocs_per_node"]) == (2, 2, 1)
     reference = weights(parity_sweep / "strategy=ddp")
     for name, value in weights(run_dir).items():
         torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+    return run_dir, out1
 
 
 # ------------------------------------------------------------------------ two nodes, self-launched
@@ -278,33 +288,13 @@ def test_two_self_launched_nodes_on_localhost_make_one_run(parity_sweep: Path, t
     port = free_port("127.0.0.1")
     while not port_is_free("127.0.0.1", port + 1):  # node 0's launcher hands the job over on port + 1
         port = free_port("127.0.0.1")
-    common = ["strategy=ddp", "dist.nprocs=1", "dist.nnodes=2", f"dist.master_port={port}"]
-    node0, node1 = tmp_path / "node0", tmp_path / "node1"
-    node0.mkdir(), node1.mkdir()
-    second = subprocess.Popen(
-        [sys.executable, "-m", "ddpexp", *common, "dist.node_rank=1", *PARITY],
-        cwd=node1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    common = ["strategy=ddp", "dist.nprocs=1", "dist.nnodes=2", f"dist.master_port={port}", *PARITY]
+    ddpexp = [sys.executable, "-m", "ddpexp"]
+    run_dir, out1 = _two_nodes(
+        tmp_path, parity_sweep, [*ddpexp, *common, "dist.node_rank=0"], [*ddpexp, *common, "dist.node_rank=1"]
     )
-    try:
-        first = run_ddpexp(node0, *common, "dist.node_rank=0", *PARITY)
-        out1, _ = second.communicate(timeout=120)
-    finally:
-        second.kill()
-    assert first.returncode == 0, first
-    assert second.returncode == 0, out1
-    (run_dir,) = first.run_dirs()
-    assert list(node1.iterdir()) == []  # the second node made no run directory of its own
-    assert f"run dir: {run_dir}" in out1  # it names the one it joined
-    facts = metrics(run_dir)["facts"]
-    assert (facts["world_size"], facts["nnodes"], facts["nprocs_per_node"]) == (2, 2, 1)
+    assert f"run dir: {run_dir}" in out1  # node 1 names the run directory it joined
     assert (run_dir / "logs" / "rank0.log").exists() and (run_dir / "logs" / "rank1.log").exists()
-    reference = weights(parity_sweep / "strategy=ddp")  # one node, the same world size
-    for name, value in weights(run_dir).items():  # close, not equal: a rank alone gets all the cores
-        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_node_that_never_meets_node_0_says_where_it_waited(tmp_path: Path):
