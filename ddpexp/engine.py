@@ -24,6 +24,7 @@ import torch
 from . import distributed, memory
 from .config import OnNonFinite, Precision
 from .data.loaders import Loader
+from .errors import UserError
 from .recorder import NullRecorder
 from .strategies import Wrapped
 from .tasks import Classification, Task
@@ -125,6 +126,12 @@ class Engine:
         self.scheduler = scheduler
         # fp16 needs loss scaling (its range underflows small gradients); bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler("cuda") if settings.precision == Precision.fp16 else None
+        if self.scaler is not None and model.train_step is not None:
+            raise UserError(
+                "fp16 needs loss scaling inside the strategy's own training step, which it does not do",
+                setting="trainer.precision",
+                fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
+            )
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()
@@ -194,7 +201,7 @@ class Engine:
         # The settings read on every step, hoisted out of the loop.
         log_every, eval_every = self.s.log_every_steps, self.s.eval_every_steps
         ckpt_every, on_step, pending = self.s.checkpoint_every_steps, self.on_step, self._pending
-        micro = steps = 0
+        micro = steps = scored = 0
         wait = 0.0
         start = time.perf_counter()
         it = iter(batches)
@@ -207,7 +214,10 @@ class Engine:
             wait += time.perf_counter() - t
             micro += 1
             last_micro = micro % acc == 0
-            pending.append(self.forward_backward(inputs, targets, sync=last_micro))
+            loss = self.forward_backward(inputs, targets, sync=last_micro)
+            if loss is not None:  # None: this rank computes no loss (a pipeline's first stage)
+                pending.append(loss)
+                scored += 1
             if not last_micro:
                 continue
             self.optimizer_step()
@@ -229,7 +239,7 @@ class Engine:
         # One reduction per epoch; reading it is the epoch's only host sync, so timing after it is honest.
         self._fold()
         totals = distributed.all_reduce_sum(
-            torch.stack([self._epoch_loss, torch.tensor(float(micro), device=self.device)])
+            torch.stack([self._epoch_loss, torch.tensor(float(scored), device=self.device)])
         )
         loss_sum, micro_count = totals.tolist()
         elapsed = time.perf_counter() - start
@@ -299,11 +309,16 @@ class Engine:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return distributed.all_reduce_max(peak)
 
-    def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor:
+    def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor | None:
         """One micro-batch: forward under autocast, backward of loss/accumulate. Gradient
-        synchronisation is suppressed unless `sync` (the last micro-batch of a step)."""
+        synchronisation is suppressed unless `sync` (the last micro-batch of a step). A strategy's own
+        train_step replaces the forward and backward (and returns None where it computes no loss)."""
         if self.s.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
+        step = self.model.train_step
+        if step is not None:
+            with contextlib.nullcontext() if sync else self.model.no_sync(), self._autocast():
+                return step(inputs, targets, 1.0 / self.s.accumulate)
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with self._autocast():
                 outputs = self.model.module(inputs)
@@ -397,7 +412,7 @@ class Engine:
         for inputs, targets in self._eval_batches():
             with self._autocast():
                 outputs = module(inputs)
-            if targets is None:  # a lockstep pass only (see _eval_batches)
+            if targets is None or outputs is None:  # a lockstep pass, or a rank that scores nothing
                 continue
             targets = targets.to(outputs.device, non_blocking=True)
             batch = self.task.eval_sums(outputs, targets).to(self.device)

@@ -89,6 +89,7 @@ class CheckpointKeeper:
                 "epoch": pos.epoch,
                 "step_in_epoch": pos.step_in_epoch,
                 "world_size": self.ctx.world_size,
+                "data_parallel": self.ctx.plan.data_parallel,  # the shards the sample order is cut into
                 "accumulate": e.s.accumulate,
                 "model": model,
                 "optimizer": optimizer,
@@ -119,7 +120,11 @@ class CheckpointKeeper:
             e.scaler.load_state_dict(state["scaler"])
         e.pos = Position(epoch=state["epoch"], step=state["step"], step_in_epoch=state["step_in_epoch"])
         self.best_value = state["metrics"].get("best")
-        if state["world_size"] == self.ctx.world_size and state["accumulate"] == e.s.accumulate:
+        same_layout = (state["world_size"], state.get("data_parallel", state["world_size"])) == (
+            self.ctx.world_size,
+            self.ctx.plan.data_parallel,
+        )
+        if same_layout and state["accumulate"] == e.s.accumulate:
             checkpoint.set_rng_state(state["rng"][self.ctx.rank])
         else:
             log.warning(

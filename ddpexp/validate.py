@@ -69,6 +69,16 @@ class Plan:
     per_rank_batch: int
     eval_per_rank_batch: int
     replicas: int  # model replicas sharing one global batch (world size; DataParallel: its GPUs)
+    # Data shards of each global batch (Strategy.data_layout): the world size, unless ranks share a
+    # shard (pipeline stages, a parameter server). per_rank_batch = global / (data_parallel x accumulate).
+    data_parallel: int = 0
+    shard_of_rank: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.data_parallel:  # a plan.json written before data layouts existed
+            object.__setattr__(self, "data_parallel", self.world_size)
+        layout = tuple(self.shard_of_rank) or tuple(range(self.world_size))  # from JSON: a list
+        object.__setattr__(self, "shard_of_rank", layout)
 
     @property
     def devices(self) -> int:
@@ -78,7 +88,7 @@ class Plan:
 
     def steps_per_epoch(self, train_samples: int, accumulate: int) -> int:
         """Optimizer steps one epoch of `train_samples` gives (each rank's shard in whole micro-batches)."""
-        return train_samples // self.world_size // self.per_rank_batch // accumulate
+        return train_samples // self.data_parallel // self.per_rank_batch // accumulate
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,15 +116,18 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
     if not strategy.uses_process_group:
         backend = None
     acc = cfg.trainer.accumulate
+    layout = tuple(strategy.data_layout(settings, world_size=world))
+    shards = len(set(layout))
     per_rank = cfg.trainer.batch_per_rank
-    global_batch = per_rank * world * acc if per_rank is not None else cfg.trainer.batch_size
-    if global_batch % (world * acc):
-        parts = f"{world} ranks" + (f" x {acc} accumulated micro-batches" if acc > 1 else "")
+    global_batch = per_rank * shards * acc if per_rank is not None else cfg.trainer.batch_size
+    if global_batch % (shards * acc):
+        readers = "ranks" if shards == world else "data shards"
+        parts = f"{shards} {readers}" + (f" x {acc} accumulated micro-batches" if acc > 1 else "")
         raise UserError(
             f"global batch {global_batch} does not split evenly over {parts}",
             setting="trainer.batch_size",
-            fix=f"use a multiple of {world * acc}, "
-            f"e.g. trainer.batch_size={_round_up(global_batch, world * acc)}",
+            fix=f"use a multiple of {shards * acc}, "
+            f"e.g. trainer.batch_size={_round_up(global_batch, shards * acc)}",
         )
     _check_training(cfg, device_type)
     eval_global = cfg.trainer.eval_batch_size or global_batch
@@ -128,9 +141,11 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         nprocs_per_node=nprocs,
         devices_per_process=k,
         global_batch=global_batch,
-        per_rank_batch=global_batch // (world * acc),
-        eval_per_rank_batch=max(1, eval_global // world),
-        replicas=world if strategy.uses_process_group else k,
+        per_rank_batch=global_batch // (shards * acc),
+        eval_per_rank_batch=max(1, eval_global // shards),
+        replicas=shards if strategy.uses_process_group else k,
+        data_parallel=shards,
+        shard_of_rank=layout,
     )
     strategy.check(settings, plan=result, host=host)
     return result

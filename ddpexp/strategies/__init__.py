@@ -12,6 +12,7 @@ and in every worker before use (tests/tiny_strategy.py is one).
 
 What the contract covers, in the order a run uses it:
   launch arithmetic   uses_process_group, devices_per_process, default_nprocs, process_devices
+  data layout         data_layout: which shard of every global batch each rank reads (default: its own)
   before launch       check (against the plan), check_model (on a model built on the meta device)
   in each worker      wrap -> Wrapped, build_optimizer
   checkpoints         model_state / load_model_state, optimizer_state / load_optimizer_state: full,
@@ -51,6 +52,7 @@ C = TypeVar("C", bound=StrategyConfig)
 # What build_optimizer gets: called on parameters it builds the configured optimizer; its `cls` and
 # `kwargs` are there for a strategy that wraps the class (zero: ZeroRedundancyOptimizer).
 MakeOptimizer = OptimizerSpec
+TrainStep = Callable[[Any, torch.Tensor, float], "torch.Tensor | None"]
 
 
 @dataclass
@@ -78,6 +80,12 @@ class Wrapped:
     # True when the training module's forward is itself collective (FSDP gathers parameters): every
     # rank then runs as many eval forwards as the rank with the most eval batches (see Engine.evaluate).
     collective_eval: bool = False
+    # A strategy whose ranks do not each run the whole model forward and backward (a pipeline stage, a
+    # parameter server) replaces the engine's micro-batch: train_step(inputs, targets, scale) runs it
+    # (backward of loss x scale, scale = 1/accumulate) and returns the micro-batch's mean loss,
+    # detached, or None on a rank that computes no loss. eval_module may likewise return None from
+    # its forward on a rank that scores nothing (Engine.evaluate then skips that batch).
+    train_step: TrainStep | None = None
 
     def __post_init__(self) -> None:
         if self.eval_module is None:
@@ -134,6 +142,12 @@ class Strategy(ABC, Generic[C]):
         if device_type == "cuda":
             return tuple(torch.device("cuda", local_rank * count + i) for i in range(count))
         return tuple(torch.device("cpu") for _ in range(count))
+
+    def data_layout(self, settings: C, *, world_size: int) -> list[int]:
+        """The data shard each rank reads, by rank: every rank its own (data parallelism) by default.
+        Ranks that share a shard (the stages of one pipeline; a parameter server, which reads but
+        ignores one) see the same batches; the number of distinct shards splits the global batch."""
+        return list(range(world_size))
 
     # ------------------------------------------------------------------------- before launch
 
