@@ -105,6 +105,11 @@ REFUSALS = [
     (["optim.schedule=linear"], ["optim.schedule", "cosine"]),
     (["strategy=dp", "strategy.static_graph=true"], ["strategy.static_graph", "strategy=ddp"]),
     (["strategy.bucket_cap_mb=5"], ["strategy.bucket_cap_mb", "naive_allreduce"]),
+    (
+        ["strategy=ddp", "strategy.algorithm=ring"],
+        ["strategy.algorithm", "not in 'DdpConfig'", "strategy=naive_allreduce"],
+    ),
+    (["strategy=naive_allreduce", "strategy.algorithm=tree"], ["strategy.algorithm", "[collective, ring]"]),
     (["-m", "data=mnist,cifar10", "data.root=/x"], ["data.root", "/x", "mnist files not found"]),
     (["-m", "experiment=dp_vs_ddp_vs_syncbn", "strategy.sync_bn=true"], ["strategy.sync_bn", "++key=value"]),
     (["strategy=sgd"], ["sgd", "ddp", "single"]),
