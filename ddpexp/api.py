@@ -70,7 +70,7 @@ def sweep(overrides: list[str], *, config_dir: str | None = None) -> list[Result
 def _run(overrides: list[str], *, multirun: bool, config_dir: str | None) -> list[Result]:
     from .composition import search_path_override
     from .preflight import preflight
-    from .runner import run_jobs
+    from .runner import claim_output, run_jobs
 
     started_at = time.time()
     overrides = overrides + search_path_override(config_dir)
@@ -80,7 +80,14 @@ def _run(overrides: list[str], *, multirun: bool, config_dir: str | None) -> lis
 
         outcomes = [nodes.follow(*checked.joining)]
     else:
-        outcomes = run_jobs(checked.overrides, multirun=multirun, started_at=started_at, report=_log_outcome)
+        claim = claim_output(checked.output_dir)
+        try:
+            outcomes = run_jobs(
+                checked.overrides, multirun=multirun, started_at=started_at, report=_log_outcome
+            )
+        finally:
+            if claim is not None:
+                claim.release()
     return [Result.read(o.run_dir, o.exit_code) for o in outcomes]
 
 

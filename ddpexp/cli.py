@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_hydra_main(argv))
     from .composition import CONFIG_NAME, search_path_override
     from .preflight import preflight
-    from .runner import run_jobs
+    from .runner import claim_output, run_jobs
     from .validate import ExternalWorld
 
     world = torchrun.world()
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides = list(args.overrides) + search_path_override(args.config_dir)
         external = ExternalWorld(*world) if world else None
         checked = preflight(overrides, multirun=args.multirun, external=external, config_name=name)
+        claim = claim_output(checked.output_dir)
     except NothingToDo as done:
         print(f"ddpexp: {done}", flush=True)
         sys.exit(0)
@@ -81,13 +82,17 @@ def main(argv: list[str] | None = None) -> None:
     if checked.joining is not None:  # dist.node_rank > 0: join the run dir node 0 makes; make none here
         outcomes = [_join(*checked.joining)]
     else:
-        outcomes = run_jobs(
-            checked.overrides,
-            multirun=args.multirun,
-            started_at=started_at,
-            report=_print_outcome,
-            config_name=name,
-        )
+        try:
+            outcomes = run_jobs(
+                checked.overrides,
+                multirun=args.multirun,
+                started_at=started_at,
+                report=_print_outcome,
+                config_name=name,
+            )
+        finally:
+            if claim is not None:
+                claim.release()
     sys.exit(next((o.exit_code for o in outcomes if o.exit_code != 0), 0))
 
 

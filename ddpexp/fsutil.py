@@ -57,3 +57,48 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+CLAIM_FILE = ".ddpexp.lock"
+
+
+class Claim:
+    """An exclusive claim on a directory: an flock on <dir>/.ddpexp.lock, which holds the claimant's
+    PID. The kernel drops the lock when the process ends however it ends (even SIGKILL), so a crashed
+    run never leaves a stale claim behind; `release` drops it earlier (in-process runs)."""
+
+    def __init__(self, directory: Path, fd: int) -> None:
+        self.directory = directory
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim(directory: Path) -> Claim | int:
+    """Claim `directory` (made if missing) for this process; the PID of the process holding it instead
+    (0 if it cannot be read) when another has claimed it."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / CLAIM_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = int(os.read(fd, 32).decode().strip() or 0)
+        except ValueError:
+            holder = 0
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return Claim(directory, fd)

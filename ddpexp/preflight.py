@@ -6,6 +6,7 @@ never write: bad input stops here with one line and the fix, and no process or d
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ class Checked:
 
     overrides: list[str]
     joining: tuple[DictConfig, Plan] | None = None
+    # The directory the run (hydra.run.dir) or the sweep (hydra.sweep.dir) writes into, pinned in
+    # `overrides` to what pre-flight resolved: the caller claims it before Hydra writes anything.
+    output_dir: Path | None = None
 
 
 def preflight(
@@ -50,8 +54,10 @@ def preflight(
         local = HostFacts.probe()
         spawns = []
         joining = None
+        first = None
         for job_overrides in jobs:
             cfg = compose(job_overrides)
+            first = first if first is not None else cfg
             host = composition.remote_host(cfg) or local
             p = check_job(cfg, host, external=external, multirun=multirun)
             if p.launcher == "spawn" and host is local:
@@ -62,12 +68,56 @@ def preflight(
         from .launch.spawn import prewarm
 
         prewarm(spawns[0])
-    if not multirun or not varying:
+    if joining is not None:  # node 0 makes and claims the run dir
         return Checked(overrides, joining)
+    pin, output_dir = _pinned_output_dir(first, multirun=multirun) if first is not None else ([], None)
+    if output_dir is not None and multirun:
+        check_sweep_dir(output_dir, first.trainer.resume)  # type: ignore[union-attr]
+    overrides = overrides + pin
+    if not multirun or not varying:
+        return Checked(overrides, output_dir=output_dir)
     # Name sweep sub-directories after what varies between the jobs only (readable TensorBoard runs).
     constant = sorted({composition.override_key(o) for o in jobs[0]} - varying)
     exclude = [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(constant)}]"] if constant else []
-    return Checked(overrides + exclude)
+    return Checked(overrides + exclude, output_dir=output_dir)
+
+
+def _pinned_output_dir(cfg: DictConfig, *, multirun: bool) -> tuple[list[str], Path | None]:
+    """The run's (or sweep's) directory as resolved now, and the override that makes Hydra use exactly
+    it: a `${now:...}` in the pattern would otherwise resolve again, a moment later, in Hydra."""
+    if "hydra" not in cfg:
+        return [], None
+    key = "sweep" if multirun else "run"
+    section = cfg.hydra[key]
+    unresolved = OmegaConf.to_container(section, resolve=False)
+    assert isinstance(unresolved, dict)
+    raw = str(unresolved["dir"])
+    resolved = str(section.dir)
+    if "${" not in raw:
+        return [], Path(resolved)
+    if not re.fullmatch(r"[\w./+-]+", resolved):  # not safe to pass back unquoted: let Hydra resolve it
+        return [], None
+    return [f"hydra.{key}.dir={resolved}"], Path(resolved)
+
+
+def check_sweep_dir(sweep_dir: Path, resume: str | None) -> None:
+    """A sweep into a directory that already holds a sweep's runs would overwrite them job by job."""
+    if resume != "auto" and next(sweep_dir.glob("*/metrics.json"), None) is not None:
+        raise UserError(
+            f"{sweep_dir} already holds a sweep's runs; sweeping into it again would overwrite them",
+            setting="hydra.sweep.dir",
+            fix="choose a new hydra.sweep.dir, or add trainer.resume=auto to continue those runs",
+        )
+
+
+def refuse_claimed(directory: Path, holder: int) -> UserError:
+    """The one-line refusal when another ddpexp run holds `directory`."""
+    who = f"pid {holder}" if holder else "another process"
+    return UserError(
+        f"{directory} is in use by another ddpexp run ({who}); two runs in one directory mix their results",
+        setting="hydra.run.dir",
+        fix="wait for that run to end, or choose another hydra.run.dir (hydra.sweep.dir for sweeps)",
+    )
 
 
 def replaced_settings(jobs: list[list[str]], compose: Any) -> list[str]:

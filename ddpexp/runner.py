@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition
+from . import composition, fsutil
 from .errors import UserError
 from .recorder import METRICS_FILE
 
@@ -126,6 +126,19 @@ def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
         if external is not None:
             torchrun.publish_error(exc)
         return Outcome(run_dir=run_dir, exit_code=UserError.exit_code, error=str(exc))
+
+
+def claim_output(directory: Path | None) -> fsutil.Claim | None:
+    """Claim the run's (or sweep's) directory for this process before Hydra writes anything into it;
+    a UserError naming the holder when another ddpexp run has it."""
+    if directory is None:
+        return None
+    got = fsutil.claim(directory)
+    if not isinstance(got, fsutil.Claim):
+        from .preflight import refuse_claimed
+
+        raise refuse_claimed(directory, got)
+    return got
 
 
 def best_value(run_dir: Path) -> float | None:

@@ -326,3 +326,89 @@ def test_ctrl_c_during_pre_flight_is_one_line_and_exit_130(tmp_path: Path):
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["ddpexp: interrupted before anything started"], err
     assert not (tmp_path / "multirun").exists()
+
+
+# ----------------------------------------------------------------------------- one directory, one run
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_run_dir_in_use_by_another_run_is_refused_and_left_as_it_was(tmp_path: Path):
+    """Two runs started into one hydra.run.dir: the second is refused (exit 2, the holder's PID) and
+    writes nothing there; once the holder is gone, however it ended, the directory is free again."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(  # another ddpexp run holding the claim, as a running launcher does
+        [
+            sys.executable,
+            "-c",
+            f"import pathlib; from ddpexp import fsutil;"
+            f"c = fsutil.claim(pathlib.Path({str(run_dir)!r})); print(1); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "1"
+        (run_dir / "config.yaml").write_text("the other run's config\n")
+        before = _snapshot(run_dir)
+        second = run_here(tmp_path, *QUICK, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+        assert second.returncode == 2, second
+        assert f"is in use by another ddpexp run (pid {holder.pid})" in second.stderr, second
+        assert len(second.stderr.strip().splitlines()) == 1, second
+        assert _snapshot(run_dir) == before
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    again = run_here(
+        tmp_path, *QUICK, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"
+    )  # a SIGKILLed holder
+    assert again.returncode == 0, again
+    assert metrics(run_dir)["status"] == "completed"
+
+
+def test_sweeps_started_in_the_same_second_get_their_own_directories(tmp_path: Path, monkeypatch):
+    """The default sweep directory has sub-second resolution, and pre-flight pins it: Hydra writes
+    into exactly the directory the caller claimed, not one resolved again a moment later."""
+    from ddpexp.preflight import preflight
+
+    monkeypatch.chdir(tmp_path)
+    first, second = (preflight(["strategy=single,ddp"], multirun=True) for _ in range(2))
+    assert first.output_dir is not None and second.output_dir is not None
+    assert first.output_dir != second.output_dir
+    assert f"hydra.sweep.dir={first.output_dir}" in first.overrides
+
+
+def test_a_sweep_into_a_directory_holding_a_sweep_is_refused(tmp_path: Path):
+    old = tmp_path / "sweep" / "strategy=single"
+    old.mkdir(parents=True)
+    (old / "metrics.json").write_text('{"status": "completed"}')
+    before = _snapshot(tmp_path / "sweep")
+    result = run_here(tmp_path, "-m", *QUICK, "strategy=single,ddp", "hydra.sweep.dir=sweep")
+    assert result.returncode == 2, result
+    assert "already holds a sweep's runs" in result.stderr and "trainer.resume=auto" in result.stderr
+    assert _snapshot(tmp_path / "sweep") == before
+
+
+def test_workers_take_their_job_from_the_launcher_not_from_the_run_dir(tmp_path: Path, monkeypatch):
+    """Whatever config.yaml holds when the workers start (here: a decoy saying 1 step), they train the
+    job the launcher checked (3 steps)."""
+    from ddpexp.job import CONFIG_FILE, Job
+
+    save = Job.save
+
+    def save_then_overwrite(self: Job) -> None:
+        save(self)
+        decoy = (self.run_dir / CONFIG_FILE).read_text().replace("max_steps: 3", "max_steps: 1")
+        (self.run_dir / CONFIG_FILE).write_text(decoy)
+
+    monkeypatch.setattr(Job, "save", save_then_overwrite)
+    result = run_here(tmp_path, *QUICK, "strategy=ddp", "trainer.max_steps=3", "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    assert "max_steps: 1" in (tmp_path / "run" / CONFIG_FILE).read_text()  # the decoy was in place
+    assert metrics(tmp_path / "run")["final"]["step"] == 3

@@ -29,7 +29,6 @@ from ..job import Job
 from . import rendezvous
 from .supervise import Supervisor, Worker
 
-RUN_DIR_ENV = "DDPEXP_RUN_DIR"
 PARENT_PID_ENV = "DDPEXP_PARENT_PID"
 INIT_URL_ENV = "DDPEXP_INIT_URL"
 # What the forkserver imports before forking workers: everything a worker needs before it trains.
@@ -96,7 +95,6 @@ def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(job.plan.world_size),
         "LOCAL_WORLD_SIZE": str(job.plan.nprocs_per_node),
-        RUN_DIR_ENV: str(job.run_dir),
         PARENT_PID_ENV: str(os.getpid()),
         INIT_URL_ENV: url,
         ATTEMPT_ENV: str(attempt),
@@ -106,8 +104,10 @@ def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
     ctx = context(cfg.dist.start_method)
     first = node_rank * job.plan.nprocs_per_node
     try:
+        spec = job.to_dict()
         workers = [
-            _start_worker(ctx, first + local, local, env, logs) for local in range(job.plan.nprocs_per_node)
+            _start_worker(ctx, first + local, local, env, logs, spec)
+            for local in range(job.plan.nprocs_per_node)
         ]
         return Supervisor(job.run_dir, workers, facts=job.summary(), records=leads).wait()
     finally:
@@ -123,16 +123,20 @@ def _archive_errors(run_dir: Path, attempt: int) -> None:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a forked or spawned worker process receives (pickled): everything else it reads from the
-    run directory and its environment, as a worker started any other way would."""
+    """What a forked or spawned worker process receives (pickled): its job from the launcher itself
+    (never from whatever config.yaml holds when the worker starts: the file is a record for people),
+    everything else from its environment, as a worker started any other way would."""
 
     rank: int
     env: dict[str, str]
     log_path: str
     console: Any  # rank 0: the write end of a pipe to the launcher's console; None for the others
+    job: dict[str, Any]  # Job.to_dict() of this attempt
 
 
-def _start_worker(ctx: Any, rank: int, local_rank: int, common: dict[str, str], logs: Path) -> Worker:
+def _start_worker(
+    ctx: Any, rank: int, local_rank: int, common: dict[str, str], logs: Path, job: dict[str, Any]
+) -> Worker:
     env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
     log_path = logs / f"rank{rank}.log"
     reader, writer = ctx.Pipe(duplex=False) if rank == 0 else (None, None)
@@ -140,7 +144,7 @@ def _start_worker(ctx: Any, rank: int, local_rank: int, common: dict[str, str], 
 
     proc = ctx.Process(
         target=forked_main,
-        args=(WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer),),
+        args=(WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer, job=job),),
         name=f"ddpexp-rank{rank}",
         daemon=False,
     )

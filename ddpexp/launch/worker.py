@@ -1,9 +1,9 @@
 """One worker process from start to exit code.
 
-Self-launched workers start in `forked_main` (forked from the launcher's forkserver, or spawned; the
-run directory in DDPEXP_RUN_DIR); torchrun workers and in-process runs enter through
-`execute`/`run_guarded`. A worker never calls Hydra and never reads the user's command line: its job
-comes from the launcher.
+Self-launched workers start in `forked_main` (forked from the launcher's forkserver, or spawned);
+torchrun workers and in-process runs enter through `execute`/`run_guarded`. A worker never calls
+Hydra, never reads the user's command line, and never reads its job back from the run directory
+(another run could have written there): its job comes from the launcher.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..context import RunContext
 from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..job import Job
-from .spawn import INIT_URL_ENV, PARENT_PID_ENV, RUN_DIR_ENV, WorkerSpec
+from .spawn import INIT_URL_ENV, PARENT_PID_ENV, WorkerSpec
 from .supervise import Interrupted, error_file, sigterm_raises
 
 log = logging.getLogger(__name__)
@@ -185,14 +185,14 @@ def forked_main(spec: WorkerSpec) -> None:
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     os.environ.clear()
     os.environ.update(spec.env)
-    main()
+    main(spec.job)
 
 
-def main() -> None:
-    run_dir = Path(os.environ[RUN_DIR_ENV])
+def main(job_dict: dict[str, Any]) -> None:
+    """A self-launched worker: its job as the launcher handed it over."""
     exit_with_parent(int(os.environ[PARENT_PID_ENV]))
     with sigterm_raises():
-        job = Job.load(run_dir)
+        job = Job.from_dict(job_dict)
         ctx = RunContext.for_process(job)
         configure_process(ctx, console=ctx.is_main)
         url = os.environ.get(INIT_URL_ENV, "env://")
