@@ -111,6 +111,10 @@ class DistConfig:
     master_port: int | None = None
     # Timeout for process-group operations (collectives, barriers, rendezvous).
     timeout_s: float = 600.0
+    # Self-launched runs: a rank whose training makes no progress (no batch done) for this long is
+    # declared hung: its Python stack goes to its log and the run stops, naming it. Start-up and
+    # checkpoint writing get dist.timeout_s instead. None: no hang detection.
+    hang_timeout_s: float | None = 120.0
     # init=file only: the rendezvous file, on a path every rank can see. None: a fresh file in the run
     # directory. An existing file is refused (a stale one would join the wrong run); removed at the end.
     init_file: str | None = None

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from .launch.heartbeat import Heartbeat
 from .validate import Plan
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class RunContext:
     job_started_at: float = 0.0  # when this job started (epoch seconds): time to first step counts from it
     console_is_tty: bool = False  # whether the user's console is a terminal (progress bars)
     fault: str | None = None  # DDPEXP_FAULT: a failure to inject, for tests (ddpexp/faults.py)
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)  # progress the launcher watches (hangs)
 
     @property
     def device(self) -> torch.device:
@@ -54,7 +56,9 @@ class RunContext:
         return cls.for_process(job, env={k: v for k, v in os.environ.items() if k in (FAULT_ENV, TTY_ENV)})
 
     @classmethod
-    def for_process(cls, job: Job, env: Mapping[str, str] | None = None) -> RunContext:
+    def for_process(
+        cls, job: Job, env: Mapping[str, str] | None = None, heartbeat: Heartbeat | None = None
+    ) -> RunContext:
         """Build the context from the torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE).
 
         Self-launched workers get the same variables from ddpexp's launcher, so both paths agree.
@@ -83,4 +87,5 @@ class RunContext:
             job_started_at=job.started_at,
             console_is_tty=tty,
             fault=env.get(FAULT_ENV),
+            heartbeat=heartbeat or Heartbeat(),
         )

@@ -25,6 +25,7 @@ from . import distributed, memory
 from .config import OnNonFinite, Precision
 from .data.loaders import Loader
 from .errors import UserError
+from .launch.heartbeat import Heartbeat
 from .recorder import NullRecorder
 from .strategies import Wrapped
 from .tasks import Classification, Task
@@ -114,6 +115,7 @@ class Engine:
         on_checkpoint: Callable[[Position, dict[str, float], bool], None] | None = None,
         on_step: Callable[[int], None] | None = None,
         started_at: float | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -132,10 +134,13 @@ class Engine:
                 setting="trainer.precision",
                 fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
             )
+        if model.train_step is not None:
+            model.loss = self.task.loss  # the strategy's own step computes the loss: the task's
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()
         self.started_at = started_at  # the job's start: time to the first optimizer step counts from it
+        self.heartbeat = heartbeat or Heartbeat()  # progress, for the launcher's hang detection
         # Micro-batch losses are kept as they come (a list append costs nothing; two in-place additions
         # per step cost ~1% of a small MLP's step) and folded into these sums every few dozen steps.
         self._pending: list[torch.Tensor] = []
@@ -201,6 +206,7 @@ class Engine:
         # The settings read on every step, hoisted out of the loop.
         log_every, eval_every = self.s.log_every_steps, self.s.eval_every_steps
         ckpt_every, on_step, pending = self.s.checkpoint_every_steps, self.on_step, self._pending
+        beat = self.heartbeat.beat
         micro = steps = scored = 0
         wait = 0.0
         start = time.perf_counter()
@@ -215,6 +221,7 @@ class Engine:
             micro += 1
             last_micro = micro % acc == 0
             loss = self.forward_backward(inputs, targets, sync=last_micro)
+            beat(self.pos.step)
             if loss is not None:  # None: this rank computes no loss (a pipeline's first stage)
                 pending.append(loss)
                 scored += 1
@@ -296,6 +303,8 @@ class Engine:
                 "comm/share": comm_s / elapsed if elapsed > 0 else 0.0,
                 "comm/bytes_per_step": comm_bytes / max(steps, 1),
             }
+        if self.model.extra_metrics is not None:
+            out |= self.model.extra_metrics()
         return out
 
     def _peak_mb(self) -> float:
@@ -335,7 +344,11 @@ class Engine:
         if self.s.clip_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self._params, self.s.clip_grad_norm)
+            if self.model.grad_norm is None:
+                torch.nn.utils.clip_grad_norm_(self._params, self.s.clip_grad_norm)
+            else:  # this rank holds part of the gradient: clip by the whole gradient's norm
+                norm = self.model.grad_norm(self._params)
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.s.clip_grad_norm, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -386,7 +399,8 @@ class Engine:
         if self.model.sync_buffers is not None:
             self.model.sync_buffers()  # what is saved is what every rank holds
         if self.on_checkpoint is not None:
-            self.on_checkpoint(self.pos, values, periodic)
+            with self.heartbeat.slow():
+                self.on_checkpoint(self.pos, values, periodic)
 
     def _log_train(self) -> None:
         self._fold()
@@ -412,6 +426,7 @@ class Engine:
         for inputs, targets in self._eval_batches():
             with self._autocast():
                 outputs = module(inputs)
+            self.heartbeat.beat(self.pos.step)
             if targets is None or outputs is None:  # a lockstep pass, or a rank that scores nothing
                 continue
             targets = targets.to(outputs.device, non_blocking=True)

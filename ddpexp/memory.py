@@ -39,7 +39,8 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
 
 
 def resident_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    params = list(model.parameters())
+    # A parameter on the meta device is held by another rank (a pipeline's other stages).
+    params = [p for p in model.parameters() if not p.is_meta]
     return {
         "mem/params_mb": sum(local_bytes(p) for p in params) / MB,
         "mem/grads_mb": sum(local_bytes(p.grad) for p in params) / MB,

@@ -58,6 +58,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         task=tasks.build(cfg.task),
         scheduler=optim.build_schedule(optimizer, cfg.optim, steps),
         started_at=ctx.job_started_at,
+        heartbeat=ctx.heartbeat,
     )
     fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt)
     engine.on_step = fault.after_step if fault else None

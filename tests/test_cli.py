@@ -70,6 +70,23 @@ REFUSALS = [
     (["strategy=dp", "strategy.sync_bn=true"], ["strategy.sync_bn", "dp"]),
     (["-m", "strategy=single,ddp", "strategy.sync_bn=true"], ["strategy.sync_bn"]),
     (["strategy=ddp_mp", "strategy.stages=3", "model=mlp"], ["strategy.stages", "at most 2"]),
+    (["strategy=pipeline", "strategy.stages=3", "model=mlp"], ["strategy.stages", "at most 2"]),
+    (
+        ["strategy=pipeline", "strategy.microbatches=3"],
+        ["strategy.microbatches", "per-rank batch 64", "3 micro-batches", "strategy.microbatches=2"],
+    ),
+    (["strategy=pipeline", "dist.nprocs=3"], ["dist.nprocs", "2 stages x 1 replica", "dist.nprocs=2"]),
+    (
+        ["strategy=pipeline", "strategy.replicas=2", "dist.nprocs=2"],
+        ["dist.nprocs", "2 stages x 2 replica", "dist.nprocs=4"],
+    ),
+    (
+        ["strategy=pipeline", "strategy.schedule=1f1b", "strategy.microbatches=1"],
+        ["1F1B", "strategy.microbatches>=2", "strategy.schedule=gpipe"],
+    ),
+    (["strategy=pipeline", "strategy.schedule=zb"], ["strategy.schedule", "gpipe, 1f1b"]),
+    (["strategy=pipeline", "strategy.sync_bn=true"], ["strategy.sync_bn", "not in 'PipelineConfig'"]),
+    (["strategy=ddp", "strategy.microbatches=4"], ["strategy.microbatches", "strategy=pipeline"]),
     (
         ["strategy=ddp_mp", "model=mlp", "~model.hidden", "model._target_=tests.user_models.unsplittable"],
         ["stages()", "strategy=ddp"],

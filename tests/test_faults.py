@@ -161,6 +161,49 @@ def test_a_failing_worker_stops_the_run_within_seconds_naming_the_rank(
     assert _last_checkpoint_step(tmp_path / "run") == 10
 
 
+def _pid_of_rank(run: Watched, rank: int, timeout: float = 30) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [pid for pid, r in run.rank_of.items() if r == str(rank)]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never showed up")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_sent_to_one_worker_is_blamed_on_that_worker(tmp_path: Path, sig: signal.Signals):
+    """Its peer then fails with a broken connection; the report names the signalled rank, not it."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG])
+    run.wait_until_training()
+    os.kill(_pid_of_rank(run, 1), sig)
+    code, _out, err = run.finish(timeout=60)
+    assert code == 1, err
+    assert err.splitlines()[0] == f"ddpexp: rank 1 of 2 stopped by {sig.name} (not sent by ddpexp)", err
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "failed" and m["error"].startswith(f"rank 1: stopped by {sig.name}"), m["error"]
+
+
+def test_a_hung_rank_is_caught_in_seconds_blamed_and_its_stack_logged(tmp_path: Path):
+    """SIGSTOP one rank: with dist.hang_timeout_s=10 the launcher stops the run within ~20 s, blaming
+    that rank (not the healthy one waiting for it), with its Python stack in its log."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG, "dist.hang_timeout_s=10"])
+    run.wait_until_training()
+    stopped = time.time()
+    os.kill(_pid_of_rank(run, 1), signal.SIGSTOP)
+    code, _out, err = run.finish(timeout=90)
+    assert code == 1, err
+    first = err.splitlines()[0]
+    assert first.startswith("ddpexp: rank 1 of 2 hung at step "), err
+    assert "(no progress for 1" in first and "its stack is in logs/rank1.log" in first, first
+    assert run.ended - stopped < 25
+    run.assert_nothing_left()
+    log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    assert "most recent call first" in log and "engine.py" in log  # faulthandler's dump of the stack
+    assert metrics(tmp_path / "run")["status"] == "failed"
+
+
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_and_resume_continues(tmp_path: Path):
     run = Watched(
         tmp_path, ["strategy=ddp", *LONG, "trainer.max_steps=20"], fault="rank0:step10:kill_in_save"

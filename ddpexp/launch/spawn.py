@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from ..context import ATTEMPT_ENV, TTY_ENV
 from ..errors import UserError
 from ..job import Job
 from . import rendezvous
-from .supervise import Supervisor, Worker
+from .heartbeat import Pulse, shared_cell
+from .supervise import Supervisor, Watch, Worker
 
 PARENT_PID_ENV = "DDPEXP_PARENT_PID"
 INIT_URL_ENV = "DDPEXP_INIT_URL"
@@ -109,7 +111,9 @@ def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
             _start_worker(ctx, first + local, local, env, logs, spec)
             for local in range(job.plan.nprocs_per_node)
         ]
-        return Supervisor(job.run_dir, workers, facts=job.summary(), records=leads).wait()
+        hang = cfg.dist.hang_timeout_s
+        watch = Watch(hang_s=hang, patience_s=max(cfg.dist.timeout_s, hang)) if hang is not None else None
+        return Supervisor(job.run_dir, workers, facts=job.summary(), records=leads, watch=watch).wait()
     finally:
         if job.plan.init == "file" and leads:
             rendezvous_file.unlink(missing_ok=True)
@@ -132,6 +136,7 @@ class WorkerSpec:
     log_path: str
     console: Any  # rank 0: the write end of a pipe to the launcher's console; None for the others
     job: dict[str, Any]  # Job.to_dict() of this attempt
+    heartbeat: Any  # the shared array the worker beats into (launch/heartbeat.py)
 
 
 def _start_worker(
@@ -140,11 +145,13 @@ def _start_worker(
     env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
     log_path = logs / f"rank{rank}.log"
     reader, writer = ctx.Pipe(duplex=False) if rank == 0 else (None, None)
+    cell = shared_cell(ctx)
     from .worker import forked_main
 
+    spec = WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer, job=job, heartbeat=cell)
     proc = ctx.Process(
         target=forked_main,
-        args=(WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer, job=job),),
+        args=(spec,),
         name=f"ddpexp-rank{rank}",
         daemon=False,
     )
@@ -154,7 +161,7 @@ def _start_worker(
         writer.close()  # the worker holds its own copy; the pipe ends when the worker does
         tee = threading.Thread(target=_tee, args=(reader, log_path), name=f"tee-rank{rank}", daemon=True)
         tee.start()
-    return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee)
+    return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee, pulse=Pulse(cell, time.time()))
 
 
 class _Proc:

@@ -4,7 +4,11 @@ Supervision is what keeps a distributed run from hanging or leaking processes:
 - a worker that fails (exception or signal) gets the others stopped at once, and the user sees the
   failing rank's own error first, not the echoes it caused in the other ranks;
 - Ctrl-C / SIGTERM to the launcher stops every worker (SIGTERM, then SIGKILL after a grace period)
-  and exits 130 / 143.
+  and exits 130 / 143;
+- a worker ended by a signal the launcher did not send (SIGTERM, SIGINT, SIGKILL from outside) is the
+  cause, reported as such, never the peers that lost their connection to it;
+- a rank whose heartbeat stops (launch/heartbeat.py) is declared hung after dist.hang_timeout_s: its
+  stack goes to its log (faulthandler, on STACK_SIGNAL), the run stops and names it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ from typing import Protocol
 
 from ..errors import UserError
 from ..recorder import finish_metrics
+from .heartbeat import Pulse
 
 POLL_S = 0.05
 GRACE_S = 5.0
+STACK_SIGNAL = signal.SIGUSR2  # a worker dumps every thread's Python stack into its log on it
+STACK_WAIT_S = 1.0
+# Exit codes of a worker whose sigterm_raises/KeyboardInterrupt handling ended it (128 + signal).
+SIGNAL_EXITS = {128 + signal.SIGTERM: signal.SIGTERM, 128 + signal.SIGINT: signal.SIGINT}
 
 
 class Interrupted(Exception):
@@ -77,18 +86,43 @@ class Worker:
     log_path: Path
     exit_time: float | None = None
     tee: threading.Thread | None = None  # copies rank 0's output to the console as it comes
+    pulse: Pulse | None = None  # its heartbeat, when the launcher watches for hangs
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Hang detection: a rank without a heartbeat for hang_s (patience_s before its first beat and
+    while it writes a checkpoint) is hung."""
+
+    hang_s: float
+    patience_s: float
+
+
+@dataclass(frozen=True)
+class Hang:
+    worker: Worker
+    step: int
+    quiet_s: float
 
 
 class Supervisor:
     def __init__(
-        self, run_dir: Path, workers: list[Worker], facts: dict[str, object], *, records: bool = True
+        self,
+        run_dir: Path,
+        workers: list[Worker],
+        facts: dict[str, object],
+        *,
+        records: bool = True,
+        watch: Watch | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.workers = workers
         self.facts = facts  # what metrics.json says about the run if rank 0 never wrote it
         self.records = records  # False on nodes other than node 0: metrics.json is node 0's to write
+        self.watch = watch
         self.signal_received: int | None = None
         self.stopping_since: float | None = None
+        self.hang: Hang | None = None
 
     def wait(self) -> int:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -119,6 +153,11 @@ class Supervisor:
             running = [w for w in self.workers if w.exit_time is None]
             if not running:
                 break
+            if failed is None and self.signal_received is None and self.hang is None:
+                self.hang = self._hung(running, now)
+                if self.hang is not None:
+                    self._dump_stack(self.hang.worker)
+                    failed = self.hang.worker
             if (failed is not None or self.signal_received is not None) and self.stopping_since is None:
                 self.stopping_since = now
                 self._kill_all(signal.SIGTERM)
@@ -134,6 +173,34 @@ class Supervisor:
             return 0
         return self._report_failure()
 
+    def _hung(self, running: list[Worker], now: float) -> Hang | None:
+        """The rank to blame when some rank's heartbeat has stopped for longer than allowed. Its peers
+        soon stop too (they wait for it in a collective), so: a rank the OS shows as stopped (SIGSTOP,
+        a debugger) if any; else the one whose heartbeat stopped first."""
+        if self.watch is None:
+            return None
+        pulses = [(w, w.pulse) for w in running if w.pulse is not None]
+        for _, pulse in pulses:
+            pulse.read(now)
+        hang_s, patience_s = self.watch.hang_s, self.watch.patience_s
+        quiet = [(w, p) for w, p in pulses if p.quiet_for(now) > hang_s]
+        if not quiet:
+            return None
+        # Stopped by the OS: hung whatever phase it was in (start-up and checkpoints get patience_s).
+        stopped = [(w, p) for w, p in quiet if _is_stopped(w.proc.pid)]
+        if not stopped and not any(p.quiet_for(now) > p.limit(hang_s, patience_s) for _, p in quiet):
+            return None
+        w, pulse = stopped[0] if stopped else min(pulses, key=lambda wp: (wp[1].changed_at, wp[1].beats))
+        return Hang(worker=w, step=pulse.step + 1, quiet_s=pulse.quiet_for(now))
+
+    def _dump_stack(self, w: Worker) -> None:
+        """Ask the hung rank for its Python stack (a stopped one is continued to answer), then give it
+        a moment to write it."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(w.proc.pid, STACK_SIGNAL)
+            os.kill(w.proc.pid, signal.SIGCONT)
+            time.sleep(STACK_WAIT_S)
+
     def _kill_all(self, sig: int) -> None:
         for w in self.workers:
             if w.proc.poll() is None:
@@ -146,7 +213,7 @@ class Supervisor:
         if user_error:
             print(f"ddpexp: error: {summary}", file=sys.stderr)
         else:
-            print(f"ddpexp: rank {rank} of {world} failed: {summary}", file=sys.stderr)
+            print(f"ddpexp: rank {rank} of {world} {summary}", file=sys.stderr)
             if detail:
                 print(detail.rstrip(), file=sys.stderr)
             logs = self.run_dir / "logs"
@@ -161,20 +228,36 @@ class Supervisor:
         return UserError.exit_code if user_error else 1
 
     def _root_cause(self) -> tuple[int, str, str, bool]:
-        """Which rank failed first. A rank killed by a signal nobody here sent is the cause (its peers
-        only see it as a broken connection); otherwise the earliest error record wins. Ranks that died
-        after the supervisor began stopping them were killed by it (a rank already on its way out when
-        the SIGTERM came dies of it), so they are never the cause."""
+        """Which rank failed first, and how ("failed: ...", "stopped by ...", "hung at ..."). A hung
+        rank is the cause; so is a rank ended by a signal nobody here sent (its peers only see it as a
+        broken connection): killed outright, or stopped through its SIGTERM/SIGINT handling (exit
+        143/130). Otherwise the earliest error record wins. Ranks that died after the supervisor began
+        stopping them were stopped by it (a rank already on its way out when the SIGTERM came dies
+        of it), so they are never the cause."""
+        if self.hang is not None:
+            h = self.hang
+            log = h.worker.log_path.relative_to(self.run_dir)
+            return (
+                h.worker.rank,
+                f"hung at step {h.step} (no progress for {h.quiet_s:.0f} s); its stack is in {log}",
+                "",
+                False,
+            )
         stop = self.stopping_since if self.stopping_since is not None else float("inf")
         by_signal = [
             w
             for w in self.workers
-            if w.proc.returncode is not None and w.proc.returncode < 0 and (w.exit_time or 0.0) <= stop
+            if w.proc.returncode is not None
+            and (w.proc.returncode < 0 or w.proc.returncode in SIGNAL_EXITS)
+            and (w.exit_time or 0.0) <= stop
         ]
         if by_signal:
             w = min(by_signal, key=lambda w: w.exit_time or 0.0)
-            name = signal.Signals(-(w.proc.returncode or 0)).name
-            return w.rank, f"killed by {name}", tail(w.log_path), False
+            code = w.proc.returncode or 0
+            if code < 0:
+                return w.rank, f"failed: killed by {signal.Signals(-code).name}", tail(w.log_path), False
+            name = SIGNAL_EXITS[code].name
+            return w.rank, f"stopped by {name} (not sent by ddpexp)", tail(w.log_path), False
         records = []
         for w in self.workers:
             path = error_file(self.run_dir, w.rank)
@@ -184,12 +267,21 @@ class Supervisor:
             r = min(records, key=lambda r: r["time"])
             return (
                 r["rank"],
-                f"{r['type']}: {r['message']}" if not r["user_error"] else r["message"],
+                f"failed: {r['type']}: {r['message']}" if not r["user_error"] else r["message"],
                 r["traceback"],
                 r["user_error"],
             )
         w = min((w for w in self.workers if w.proc.returncode), key=lambda w: w.exit_time or 0.0)
-        return w.rank, f"exited with code {w.proc.returncode}", tail(w.log_path), False
+        return w.rank, f"failed: exited with code {w.proc.returncode}", tail(w.log_path), False
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the OS shows the process as stopped (SIGSTOP, job control, a tracer)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] in "Tt"
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -26,8 +27,9 @@ from ..context import RunContext
 from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..job import Job
+from .heartbeat import Heartbeat
 from .spawn import INIT_URL_ENV, PARENT_PID_ENV, WorkerSpec
-from .supervise import Interrupted, error_file, sigterm_raises
+from .supervise import STACK_SIGNAL, Interrupted, error_file, sigterm_raises
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ def configure_process(ctx: RunContext, *, console: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    # A launcher that finds this rank hung asks for its stack (every thread) in the rank's log.
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -185,15 +189,15 @@ def forked_main(spec: WorkerSpec) -> None:
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     os.environ.clear()
     os.environ.update(spec.env)
-    main(spec.job)
+    main(spec.job, Heartbeat(spec.heartbeat))
 
 
-def main(job_dict: dict[str, Any]) -> None:
-    """A self-launched worker: its job as the launcher handed it over."""
+def main(job_dict: dict[str, Any], heartbeat: Heartbeat) -> None:
+    """A self-launched worker: its job as the launcher handed it over, its heartbeat the launcher's."""
     exit_with_parent(int(os.environ[PARENT_PID_ENV]))
     with sigterm_raises():
         job = Job.from_dict(job_dict)
-        ctx = RunContext.for_process(job)
+        ctx = RunContext.for_process(job, heartbeat=heartbeat)
         configure_process(ctx, console=ctx.is_main)
         url = os.environ.get(INIT_URL_ENV, "env://")
         code = run_guarded(lambda: execute(job, ctx, url=url), ctx)

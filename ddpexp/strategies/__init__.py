@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Strategies shipped with ddpexp: the module ddpexp.strategies.<name> registers each.
-BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp", "zero")
+BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp", "zero", "pipeline")
 
 C = TypeVar("C", bound=StrategyConfig)
 # What build_optimizer gets: called on parameters it builds the configured optimizer; its `cls` and
@@ -86,6 +86,15 @@ class Wrapped:
     # detached, or None on a rank that computes no loss. eval_module may likewise return None from
     # its forward on a rank that scores nothing (Engine.evaluate then skips that batch).
     train_step: TrainStep | None = None
+    # The task's training loss, (outputs, targets) -> the micro-batch's mean loss: the engine sets it
+    # when it takes a model with a train_step, which computes the loss itself.
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Scalars of the strategy's own for each training epoch (pipe/bubble_frac...), merged into the
+    # epoch's values by the engine. Called on every rank at the same point: it may reduce over ranks.
+    extra_metrics: Callable[[], dict[str, float]] | None = None
+    # Where each rank holds only part of the gradients (a pipeline stage's): the whole model's gradient
+    # norm from this rank's parameters, for trainer.clip_grad_norm. Collective: every rank calls it.
+    grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.eval_module is None:

@@ -1,0 +1,528 @@
+"""pipeline: pipeline parallelism across processes. The model's `stages()` are grouped into
+strategy.stages consecutive parts (ddp_mp's grouping, balanced by parameter count); each process
+owns one part, and every per-rank batch is cut into strategy.microbatches micro-batches that flow
+through the parts with torch.distributed.pipelining's GPipe (all forwards, then all backwards) or
+1F1B (one forward, one backward in the steady state: at most `stages` micro-batches' activations
+alive per stage) schedule. strategy.replicas copies of the whole pipeline train data-parallel.
+
+Rank layout: rank = replica x stages + stage (world size = stages x replicas). Process groups, made
+by every rank in the same order: one pipeline group per replica (its stages, which pass activations
+and their gradients point to point) and, with replicas > 1, one data-parallel group per stage (that
+stage in every replica, which averages its gradients after the step's last backward). Every stage of
+a replica reads the same data shard (Strategy.data_layout): the first stage uses the inputs, the
+last the targets, so the global batch splits over `replicas` shards.
+
+The gradient is the full-batch mean loss's: each micro-batch's mean loss is backpropagated times
+scale / microbatches (scale = 1/trainer.accumulate), and the schedule's own division by the number of
+micro-batches is off, because it divides every gradient the parameters hold, those accumulated by
+earlier micro-batches of an accumulated step included.
+
+Evaluation runs through the pipeline, forward only, with plain send/recv of each batch's activations
+(the eval batches' sizes vary, the schedule's buffers do not); the last stage returns the outputs and
+scores them, every sample once. Each rank holds only its part: the rest of the model lives on the
+meta device. Checkpoints and model.pt hold the whole model, gathered on rank 0 under the model's own
+names, and the optimizer state as a plain optimizer over the whole model numbers it.
+
+pipe/bubble_frac is measured: per rank, 1 - (time in its part's forward, backward and loss) / (time
+in the schedule's step), i.e. the share of the step spent waiting for activations or gradients (and
+in the schedule's bookkeeping), averaged over ranks; the first step (metadata inference) is left out.
+pipe/bubble_frac_textbook is (p - 1) / (m + p - 1) for p stages and m micro-batches, which assumes
+equal stages and free communication.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..config import StrategyConfig
+from ..errors import UserError, require_positive
+from . import MakeOptimizer, Strategy, Wrapped, register
+from .comm import CommMeter
+from .ddp_mp import group, model_stages
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..context import RunContext
+    from ..tasks import Loss
+    from ..validate import HostFacts, Plan
+
+# The member name is what Hydra matches (strategy.schedule=1f1b), so the functional form.
+Schedule = StrEnum("Schedule", [("gpipe", "gpipe"), ("1f1b", "1f1b")])
+
+
+@dataclass
+class PipelineConfig(StrategyConfig):
+    name: str = "pipeline"
+    # Processes in one pipeline: the model's stages() are grouped into this many consecutive parts.
+    stages: int = 2
+    # gpipe: every micro-batch's forward, then every backward | 1f1b: alternate once the pipe is full
+    # (fewer activations alive; needs microbatches >= stages).
+    schedule: Schedule = Schedule.gpipe
+    # Micro-batches each per-rank batch is cut into (it must divide the per-rank batch).
+    microbatches: int = 4
+    # Data-parallel copies of the whole pipeline: world size = stages x replicas.
+    replicas: int = 1
+
+
+@register
+class Pipeline(Strategy[PipelineConfig]):
+    name = "pipeline"
+    schema = PipelineConfig
+
+    def default_nprocs(
+        self, settings: PipelineConfig, *, device_type: str, host: HostFacts, devices_per_process: int
+    ) -> int:
+        _require_positive(settings)
+        return settings.stages * settings.replicas
+
+    def data_layout(self, settings: PipelineConfig, *, world_size: int) -> list[int]:
+        """Every stage of replica r reads shard r. A world that is not stages x replicas has no layout."""
+        _require_positive(settings)
+        wanted = settings.stages * settings.replicas
+        if world_size != wanted:
+            raise UserError(
+                f"{world_size} processes for {settings.stages} stages x {settings.replicas} replica(s) "
+                f"= {wanted}",
+                setting="dist.nprocs",
+                fix=f"drop dist.nprocs (pipeline starts {wanted}), or set dist.nprocs={wanted}; "
+                "or change strategy.stages / strategy.replicas",
+            )
+        return [rank // settings.stages for rank in range(world_size)]
+
+    def check(self, settings: PipelineConfig, *, plan: Plan, host: HostFacts) -> None:
+        batch, micro = plan.per_rank_batch, settings.microbatches
+        if batch % micro:
+            divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
+            per_batch = plan.global_batch // batch  # replicas x accumulated micro-batches
+            raise UserError(
+                f"the per-rank batch {batch} does not split into {micro} micro-batches",
+                setting="strategy.microbatches",
+                fix=f"use strategy.microbatches={divisor} (a divisor of {batch}), or "
+                f"trainer.batch_size={_round_up(plan.global_batch, micro * per_batch)}",
+            )
+        if settings.schedule == Schedule("1f1b") and micro < settings.stages:
+            raise UserError(
+                f"1F1B needs at least as many micro-batches as stages ({settings.stages}), got {micro}",
+                setting="strategy.microbatches",
+                fix=f"use strategy.microbatches>={settings.stages}, or strategy.schedule=gpipe",
+            )
+
+    def check_model(self, model: nn.Module, settings: PipelineConfig) -> None:
+        stages = model_stages(model)
+        if len(stages) < settings.stages:
+            raise UserError(
+                f"{type(model).__name__} splits into at most {len(stages)} stages, not {settings.stages}",
+                setting="strategy.stages",
+                fix=f"use strategy.stages<={len(stages)}",
+            )
+        outside = _outside_stages(model, stages)
+        if outside:
+            raise UserError(
+                f"{type(model).__name__}'s stages() leave out {', '.join(outside[:3])}"
+                + (f" (and {len(outside) - 3} more)" if len(outside) > 3 else "")
+                + ": no stage would train or save them",
+                setting="strategy",
+                fix="make stages() cover every layer of the model, or use strategy=ddp",
+            )
+        shared = _shared_between_parts(model, group(stages, settings.stages))
+        if shared:
+            raise UserError(
+                f"{', '.join(shared[:3])} would be in two stages at once (tied weights): each process "
+                "holds its stage's weights only",
+                setting="strategy.stages",
+                fix="use fewer strategy.stages (tied layers in one stage), or strategy=ddp",
+            )
+
+    def wrap(
+        self, model: nn.Module, settings: PipelineConfig, *, ctx: RunContext, measure_comm: bool
+    ) -> Wrapped:
+        runner = StageRunner(model, settings, ctx=ctx)
+        meter = CommMeter() if measure_comm and runner.dp_group is not None else None
+        wrapped = Wrapped(
+            module=runner,
+            base=model,
+            eval_module=runner,
+            train_step=runner.train_step,
+            sync_grads=lambda: runner.average_grads(meter),
+            sync_buffers=runner.sync_buffers,
+            comm=meter,
+            extra_metrics=runner.bubble_metrics,
+            grad_norm=runner.grad_norm,
+        )
+        runner.task_loss = lambda: wrapped.loss  # the engine sets it when it takes the model
+        return wrapped
+
+    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+        return make(_runner(wrapped).part.parameters())  # this stage's parameters only
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
+        runner = _runner(wrapped)
+        local = runner.part.state_dict()
+        mine = {full: local[key].detach().cpu() for key, full in runner.names} if runner.replica == 0 else {}
+        parts = _gather_to_rank0(mine)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return {name: merged[name] for name in runner.order if name in merged}
+
+    def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
+        runner = _runner(wrapped)
+        mine = {key: state[full] for key, full in runner.names if full in state}
+        runner.part.load_state_dict(mine, strict=False)
+
+    def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The state a plain optimizer over the whole model would hold: entries and param_groups
+        numbered in model.parameters() order (as every other strategy's checkpoint numbers them)."""
+        runner = _runner(wrapped)
+        local = optimizer.state_dict()
+        index = runner.param_index
+        mine: dict[str, Any] = {}
+        if runner.replica == 0:
+            mine = {
+                "state": {index[i]: _to_cpu(value) for i, value in local["state"].items()},
+                "param_groups": [
+                    {**g, "params": [index[i] for i in g["params"]]} for g in local["param_groups"]
+                ],
+            }
+        parts = [p for p in _gather_to_rank0(mine) if p]
+        if not parts:
+            return {}
+        groups = [dict(g) for g in parts[0]["param_groups"]]
+        for part in parts[1:]:
+            for merged, theirs in zip(groups, part["param_groups"], strict=True):
+                merged["params"] = merged["params"] + theirs["params"]
+        for merged in groups:
+            merged["params"] = sorted(merged["params"])
+        state = {k: v for part in parts for k, v in part["state"].items()}
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        index = _runner(wrapped).param_index
+        local_of = {g: i for i, g in enumerate(index)}
+        groups = []
+        for g in state["param_groups"]:
+            params = [local_of[p] for p in g["params"] if p in local_of]
+            if params:
+                groups.append({**g, "params": params})
+        entries = {local_of[p]: value for p, value in state["state"].items() if p in local_of}
+        optimizer.load_state_dict({"state": entries, "param_groups": groups})
+
+
+class StageRunner(nn.Module):
+    """This rank's part of the model and everything it needs to run it: its place in the layout, the
+    process groups, the pipelining schedule for training, and its forward for evaluation (which sends
+    the activations on and returns the outputs on the last stage, None elsewhere)."""
+
+    def __init__(self, model: nn.Module, settings: PipelineConfig, *, ctx: RunContext) -> None:
+        super().__init__()
+        stages, replicas = settings.stages, settings.replicas
+        self.stage, self.replica = ctx.rank % stages, ctx.rank // stages
+        self.stages, self.microbatches = stages, settings.microbatches
+        self.device = ctx.device
+        self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
+        self.prev, self.next = ctx.rank - 1, ctx.rank + 1  # global ranks of the neighbouring stages
+        groups = _make_groups(stages, replicas, stage=self.stage, replica=self.replica)
+        self.pipe_group, self.dp_group = groups
+        self.dp_root = self.stage  # global rank of this stage in replica 0: the data-parallel source
+
+        parts = group(model_stages(model), stages)
+        self.part = parts[self.stage].to(self.device)
+        for index, other in enumerate(parts):
+            if index != self.stage:
+                other.to("meta")  # the other stages' weights live on other ranks
+        self.order, self.names, self.param_index = _naming(model, self.part)
+        self._broadcast_from_replica0([*self.part.parameters(), *self.part.buffers()])
+
+        self.timer = StageTimer(self.device)
+        self.scale = 1.0
+        self.losses: list[torch.Tensor] = []
+        self.task_loss: Callable[[], Loss | None] = lambda: None
+        stage = TimedStage(
+            self.part, self.stage, stages, self.device, group=self.pipe_group, timer=self.timer
+        )
+        kind = ScheduleGPipe if settings.schedule == Schedule("gpipe") else Schedule1F1B
+        # scale_grads=False: scaling is in the loss (see the module docstring).
+        self.schedule = kind(stage, settings.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    # ------------------------------------------------------------------------- training
+
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn: the task's mean loss of one micro-batch, kept for reporting, and
+        backpropagated scaled so that the step's gradient is that of the per-rank batch's mean loss
+        (x 1/accumulate)."""
+        loss_fn = self.task_loss()
+        if loss_fn is None:
+            raise RuntimeError("pipeline's train_step needs the task's loss (Engine sets Wrapped.loss)")
+        with self.timer.compute():
+            loss = loss_fn(outputs, targets)
+        self.losses.append(loss.detach())
+        return loss * (self.scale / self.microbatches)
+
+    def train_step(self, inputs: Any, targets: torch.Tensor, scale: float) -> torch.Tensor | None:
+        self.scale = scale
+        self.losses.clear()
+        args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
+        target = targets.to(self.device, non_blocking=True) if self.is_last else None
+        with self.timer.step():
+            if self.is_last:
+                self.schedule.step(*args, target=target, return_outputs=False)
+            else:
+                self.schedule.step(*args, return_outputs=False)
+        if not self.is_last:
+            return None
+        # The first step also called the loss once to infer the gradients' shapes: the last m count.
+        return torch.stack(self.losses[-self.microbatches :]).mean()
+
+    def average_grads(self, meter: CommMeter | None) -> None:
+        """With replicas: average this stage's gradients over its data-parallel group, once per
+        optimizer step (after every backward of the step, accumulated ones included)."""
+        if self.dp_group is None:
+            return
+        params = [p for p in self.part.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every replica reduces the same buffer
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=self.dp_group)
+        if meter is not None:
+            if flat.is_cuda:
+                torch.cuda.synchronize(flat.device)
+            meter.record(start, time.perf_counter(), flat.numel() * flat.element_size())
+        flat.div_(dist.get_world_size(self.dp_group))
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The whole model's gradient norm (trainer.clip_grad_norm): the stages' squared norms summed
+        over the pipeline (after average_grads, every replica's are the same)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        squared = local.double().pow(2)
+        dist.all_reduce(squared, group=self.pipe_group)
+        return squared.sqrt().to(local.dtype)
+
+    def sync_buffers(self) -> None:
+        """A stage's buffers are its own; with replicas, replica 0's copy is the one every replica holds."""
+        self._broadcast_from_replica0(list(self.part.buffers()))
+
+    def _broadcast_from_replica0(self, tensors: list[torch.Tensor]) -> None:
+        if self.dp_group is None or not tensors:
+            return
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t, src=self.dp_root, group=self.dp_group)
+
+    def bubble_metrics(self) -> dict[str, float]:
+        """The epoch's measured bubble, averaged over the ranks that timed a step, and the textbook one."""
+        compute_s, step_s = self.timer.take()
+        mine = [1.0 - compute_s / step_s, 1.0] if step_s > 0 else [0.0, 0.0]
+        totals = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        frac_sum, ranks = totals.tolist()
+        p, m = self.stages, self.microbatches
+        out = {"pipe/bubble_frac_textbook": (p - 1) / (m + p - 1)}
+        if ranks:
+            out["pipe/bubble_frac"] = max(frac_sum / ranks, 0.0)
+        return out
+
+    # ------------------------------------------------------------------------- evaluation
+
+    def forward(self, inputs: Any) -> torch.Tensor | None:
+        """One eval batch through the pipeline: receive the previous stage's activations (the first
+        stage: the batch), run this part, send the result on; only the last stage returns it."""
+        x = inputs.to(self.device, non_blocking=True) if self.is_first else _recv(self.prev, self.device)
+        out: torch.Tensor = self.part(x)
+        if self.is_last:
+            return out
+        _send(out, self.next)
+        return None
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that adds the time of its forward and backward computations to `timer`."""
+
+    def __init__(self, *args: Any, timer: StageTimer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timer = timer
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.timer.compute():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self.timer.compute():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+class StageTimer:
+    """Compute time and step time of one stage, from the second step on (the first infers shapes).
+    CPU: wall clock around each computation. CUDA: events on the current stream, read once per epoch,
+    so a wait for a neighbour's tensor shows as a gap between computations, as on the CPU."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cuda = device.type == "cuda"
+        self.clock = clock
+        self.steps_seen = 0
+        self._compute: list[tuple[Any, Any]] = []
+        self._steps: list[tuple[Any, Any]] = []
+        self._measuring = False
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def compute(self) -> _Span:
+        return _Span(self, self._compute if self._measuring else None)
+
+    def step(self) -> _Span:
+        self._measuring = self.steps_seen > 0
+        self.steps_seen += 1
+        return _Span(self, self._steps if self._measuring else None)
+
+    def take(self) -> tuple[float, float]:
+        """(compute seconds, step seconds) since the last call."""
+        if self.cuda and self._steps:
+            torch.cuda.synchronize()
+
+        def total(spans: list[tuple[Any, Any]]) -> float:
+            if self.cuda:
+                return sum(a.elapsed_time(b) for a, b in spans) / 1000.0
+            return float(sum(b - a for a, b in spans))
+
+        compute_s, step_s = total(self._compute), total(self._steps)
+        self._compute, self._steps = [], []
+        return compute_s, step_s
+
+
+class _Span:
+    def __init__(self, timer: StageTimer, into: list[tuple[Any, Any]] | None) -> None:
+        self.timer, self.into = timer, into
+        self.start: Any = None
+
+    def __enter__(self) -> None:
+        if self.into is not None:
+            self.start = self.timer._now()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.into is not None:
+            self.into.append((self.start, self.timer._now()))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _require_positive(settings: PipelineConfig) -> None:
+    require_positive(
+        {
+            "strategy.stages": settings.stages,
+            "strategy.microbatches": settings.microbatches,
+            "strategy.replicas": settings.replicas,
+        }
+    )
+
+
+def _round_up(n: int, m: int) -> int:
+    return ((n + m - 1) // m) * m
+
+
+def _runner(wrapped: Wrapped) -> StageRunner:
+    runner = wrapped.eval_module
+    if not isinstance(runner, StageRunner):
+        raise TypeError(f"pipeline checkpoints need its StageRunner, got {type(runner).__name__}")
+    return runner
+
+
+def _make_groups(
+    stages: int, replicas: int, *, stage: int, replica: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(this rank's pipeline group, its data-parallel group). new_group is collective over the whole
+    world: every rank makes every group, in the same order. One replica: the pipeline is the world."""
+    if replicas == 1:
+        return None, None
+    pipes = [dist.new_group([r * stages + s for s in range(stages)]) for r in range(replicas)]
+    data = [dist.new_group([r * stages + s for r in range(replicas)]) for s in range(stages)]
+    return cast("dist.ProcessGroup", pipes[replica]), cast("dist.ProcessGroup", data[stage])
+
+
+def _naming(model: nn.Module, part: nn.Module) -> tuple[list[str], list[tuple[str, str]], list[int]]:
+    """(the model's state_dict names in order; (part's key, model's name) for each tensor the part
+    holds; for each of the part's parameters, its number in model.parameters())."""
+    full = model.state_dict(keep_vars=True)
+    name_of: dict[int, str] = {}
+    for name, tensor in full.items():
+        name_of.setdefault(id(tensor), name)
+    names = [(key, name_of[id(t)]) for key, t in part.state_dict(keep_vars=True).items()]
+    number = {id(p): i for i, p in enumerate(model.parameters())}
+    return list(full), names, [number[id(p)] for p in part.parameters()]
+
+
+def _outside_stages(model: nn.Module, stages: list[nn.Module]) -> list[str]:
+    """The model's tensors that no stage holds."""
+    inside = {id(t) for s in stages for t in s.state_dict(keep_vars=True).values()}
+    return [name for name, t in model.state_dict(keep_vars=True).items() if id(t) not in inside]
+
+
+def _shared_between_parts(model: nn.Module, parts: list[nn.Module]) -> list[str]:
+    """The model's tensors that more than one part holds."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for index, part in enumerate(parts):
+        for t in part.state_dict(keep_vars=True).values():
+            if owner.setdefault(id(t), index) != index:
+                shared.add(id(t))
+    return [name for name, t in model.state_dict(keep_vars=True).items() if id(t) in shared]
+
+
+def _gather_to_rank0(obj: Any) -> list[Any]:
+    """`obj` from every rank, on rank 0 (in rank order); [] elsewhere."""
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+# Activations between stages during evaluation: a header (dtype, rank, shape), then the tensor.
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool]
+_MAX_DIMS = 8
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    if t.dim() > _MAX_DIMS:
+        raise RuntimeError(f"pipeline evaluation sends at most {_MAX_DIMS}-D activations, got {t.dim()}-D")
+    header = [_DTYPES.index(t.dtype), t.dim(), *t.shape, *[0] * (_MAX_DIMS - t.dim())]
+    dist.send(torch.tensor(header, dtype=torch.int64, device=t.device), dst)
+    dist.send(t.contiguous(), dst)
+
+
+def _recv(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    code, dims, *shape = header.tolist()
+    t = torch.empty(shape[:dims], dtype=_DTYPES[code], device=device)
+    dist.recv(t, src)
+    return t

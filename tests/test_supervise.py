@@ -1,0 +1,71 @@
+"""The launcher's hang detection as pure logic: which rank is hung, and when (no processes needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpexp.launch.heartbeat import BEATS, SLOW, Heartbeat, Pulse
+from ddpexp.launch.supervise import Supervisor, Watch, Worker
+
+
+class _Running:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self) -> None:
+        return None
+
+
+def _workers(n: int) -> tuple[list[Worker], list[list[float]]]:
+    cells = [[0.0, 0.0, 0.0] for _ in range(n)]
+    workers = [
+        Worker(rank=r, proc=_Running(2**22 + r), log_path=Path(f"/x/logs/rank{r}.log"), pulse=Pulse(c, 0.0))
+        for r, c in enumerate(cells)
+    ]
+    return workers, cells
+
+
+def _supervisor(workers: list[Worker]) -> Supervisor:
+    return Supervisor(Path("/x"), workers, facts={}, watch=Watch(hang_s=10, patience_s=100))
+
+
+def test_the_rank_whose_heartbeat_stopped_first_is_the_hung_one():
+    workers, cells = _workers(2)
+    sup = _supervisor(workers)
+    for cell in cells:
+        Heartbeat(cell).beat(4)
+    assert sup._hung(workers, now=1.0) is None
+    Heartbeat(cells[0]).beat(5)  # rank 0 goes on to wait for rank 1 a moment later
+    assert sup._hung(workers, now=3.0) is None
+    assert sup._hung(workers, now=10.5) is None  # rank 1 quiet for 9.5 s: not yet
+    hang = sup._hung(workers, now=11.5)
+    assert hang is not None and hang.worker.rank == 1 and hang.step == 5 and hang.quiet_s == 10.5
+
+
+def test_start_up_and_checkpoints_get_patience_not_the_hang_timeout():
+    workers, cells = _workers(2)
+    sup = _supervisor(workers)
+    assert sup._hung(workers, now=50.0) is None  # no beat yet: start-up (data, compile, resume)
+    for cell in cells:
+        Heartbeat(cell).beat(1)
+    sup._hung(workers, now=50.0)
+    for cell in cells:
+        cell[SLOW] = 1  # writing a checkpoint
+    assert sup._hung(workers, now=90.0) is None
+    assert sup._hung(workers, now=151.0) is not None
+    assert cells[0][BEATS] == 1
+
+
+def test_the_report_names_the_hung_rank_its_step_and_its_log(tmp_path: Path):
+    workers, cells = _workers(2)
+    for w in workers:
+        w.log_path = tmp_path / "logs" / f"rank{w.rank}.log"
+    sup = Supervisor(tmp_path, workers, facts={}, watch=Watch(hang_s=10, patience_s=100))
+    for cell in cells:
+        Heartbeat(cell).beat(56)
+    sup._hung(workers, now=0.0)
+    sup.hang = sup._hung(workers, now=12.0)
+    rank, summary, _detail, user_error = sup._root_cause()
+    assert (rank, user_error) == (0, False)
+    assert summary == "hung at step 57 (no progress for 12 s); its stack is in logs/rank0.log"
