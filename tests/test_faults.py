@@ -252,6 +252,27 @@ def test_a_killed_launcher_takes_its_workers_with_it(tmp_path: Path):
     assert _last_checkpoint_step(tmp_path / "run") >= 5
 
 
+def test_a_killed_torchrun_agent_takes_its_workers_with_it(tmp_path: Path):
+    """SIGKILL to torchrun's agent: its workers (ddpexp's ranks) exit too, instead of training on as
+    orphans."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True)
+    run.wait_until_training()
+    run.proc.kill()
+    run.finish(timeout=30)
+    run.assert_nothing_left()
+
+
+def test_sigterm_to_torchrun_records_the_run_as_interrupted(tmp_path: Path):
+    """What Slurm sends on preemption or time-out: the workers stop and metrics.json says so."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True)
+    run.wait_until_training()
+    run.proc.send_signal(signal.SIGTERM)
+    run.finish(timeout=60)
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "interrupted" and m["history"], m["status"]
+
+
 # ------------------------------------------------------------------------------- restarts
 
 

@@ -120,8 +120,9 @@ def lead(job: Job) -> int:
     """Rank 0 under torchrun: hand the job to the other ranks, then train as rank 0."""
     from ..context import RunContext
     from .supervise import sigterm_raises
-    from .worker import configure_process, execute, run_guarded
+    from .worker import configure_process, execute, exit_with_parent, run_guarded
 
+    exit_with_parent(os.getppid())  # the agent: never train on as its orphan
     with sigterm_raises():
         store = _store()
         store.set(JOB_KEY, json.dumps(job.to_dict()))
@@ -135,8 +136,9 @@ def follow() -> int:
     from ..context import RunContext
     from ..job import Job
     from .supervise import sigterm_raises
-    from .worker import configure_process, execute, run_guarded
+    from .worker import configure_process, execute, exit_with_parent, run_guarded
 
+    exit_with_parent(os.getppid())  # the agent: never train on as its orphan
     with sigterm_raises():
         store = _store()
         store.wait([JOB_KEY], timedelta(seconds=STORE_TIMEOUT_S))
