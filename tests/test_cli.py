@@ -44,6 +44,10 @@ REFUSALS = [
         ],
     ),
     (["strategy=fsdp", "strategy.comm_hook=bf16"], ["strategy.comm_hook", "strategy=ddp"]),
+    (["strategy=ps", "dist.nprocs=1"], ["dist.nprocs", "a server and at least one worker", "dist.nprocs=3"]),
+    (["strategy=ddp", "strategy.mode=async"], ["strategy.mode", "not in 'DdpConfig'", "strategy=ps"]),
+    (["strategy=ps", "strategy.sync_bn=true"], ["strategy.sync_bn", "not in 'PsConfig'", "strategy=ddp"]),
+    (["strategy=ps", "strategy.mode=hogwild"], ["strategy.mode", "hogwild", "sync, async"]),
     (["strategy=ddp", "strategy.comm_hook=int8"], ["comm_hook", "none, fp16, bf16, powersgd"]),
     (["strategy=zero", "strategy.powersgd_rank=0"], ["strategy.powersgd_rank", "> 0"]),
     (

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Strategies shipped with ddpexp: the module ddpexp.strategies.<name> registers each.
-BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp", "zero", "pipeline")
+BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp", "zero", "pipeline", "ps")
 
 C = TypeVar("C", bound=StrategyConfig)
 # What build_optimizer gets: called on parameters it builds the configured optimizer; its `cls` and
