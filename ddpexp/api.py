@@ -83,7 +83,11 @@ def _run(overrides: list[str], *, multirun: bool, config_dir: str | None) -> lis
         claim = claim_output(checked.output_dir)
         try:
             outcomes = run_jobs(
-                checked.overrides, multirun=multirun, started_at=started_at, report=_log_outcome
+                checked.overrides,
+                multirun=multirun,
+                started_at=started_at,
+                report=_log_outcome,
+                sweep_dir=checked.output_dir if multirun else None,
             )
         finally:
             if claim is not None:

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 started_at=started_at,
                 report=_print_outcome,
                 config_name=name,
+                sweep_dir=checked.output_dir if args.multirun else None,
             )
         finally:
             if claim is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.resources
 import itertools
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -248,7 +249,8 @@ def remote_host(cfg: DictConfig) -> Any:
     from .validate import HostFacts
 
     launcher = cfg.hydra.launcher
-    if "BasicLauncher" in str(launcher.get("_target_", "BasicLauncher")):
+    target = str(launcher.get("_target_", "BasicLauncher"))
+    if "BasicLauncher" in target:
         return None
     for key in ("nodes", "tasks_per_node"):
         if launcher.get(key, 1) != 1:
@@ -258,4 +260,10 @@ def remote_host(cfg: DictConfig) -> Any:
                 setting=f"hydra.launcher.{key}",
                 fix=f"set hydra.launcher.{key}=1; for several nodes run torchrun inside sbatch (README)",
             )
+    if "SlurmLauncher" in target and shutil.which("sbatch") is None:
+        raise UserError(
+            "submits jobs to Slurm, but this machine has no Slurm (sbatch is not on PATH)",
+            setting="hydra/launcher=slurm",
+            fix="run it on a Slurm login node, or use hydra/launcher=submitit_local to try it here",
+        )
     return HostFacts(cuda_devices=launcher.get("gpus_per_node") or 0, nccl=True, gloo=True, mpi=True)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,11 @@ class Outcome:
     error: str | None = None  # a refused job's one-line reason (the launcher reports run failures itself)
 
 
+class JobFailed(Exception):
+    """A job that ran in another process (a submitit/Slurm launcher) ended non-zero: raised from the task
+    so that the launcher and Hydra record the failure; its args are the Outcome's fields."""
+
+
 def _sweep_subdir(override_dirname: str, num: int) -> str:
     name = override_dirname.replace("/", "_")
     return name or f"job{num}"
@@ -44,6 +50,7 @@ def run_jobs(
     started_at: float,
     report: Callable[[Outcome], None],
     config_name: str = composition.CONFIG_NAME,
+    sweep_dir: Path | None = None,
 ) -> list[Outcome]:
     """Run the job (or every job of the sweep) through Hydra; `started_at` is when the command began:
     the first job's clock starts there, each later job's when it starts. `report` hears of each job
@@ -54,6 +61,7 @@ def run_jobs(
     from .config import register_schema
 
     outcomes: list[Outcome] = []
+    here = os.getpid()
 
     def task(cfg: DictConfig) -> float | None:
         outcome = run_job(cfg, started_at=started_at if not outcomes else time.time())
@@ -61,6 +69,8 @@ def run_jobs(
         report(outcome)
         if outcome.exit_code in (130, 143):  # Ctrl-C / SIGTERM stops the whole sweep, not just this job
             raise SystemExit(outcome.exit_code)
+        if outcome.exit_code != 0 and os.getpid() != here:  # a remote job: only an exception says so
+            raise JobFailed(str(outcome.run_dir), outcome.exit_code, outcome.error)
         return best_value(outcome.run_dir)
 
     register_schema()
@@ -74,11 +84,35 @@ def run_jobs(
             hydra = GlobalHydra.instance().hydra
             assert hydra is not None
             if multirun:
-                hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
+                with suppress(JobFailed):  # each job's outcome is read back from its run dir below
+                    hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
             else:
                 hydra.run(config_name=config_name, task_function=task, overrides=overrides)
     finally:
         GlobalHydra.instance().clear()
+    if multirun and not outcomes and sweep_dir is not None:  # the jobs ran elsewhere (submitit, Slurm)
+        outcomes = remote_outcomes(sweep_dir)
+        for outcome in outcomes:
+            report(outcome)
+    return outcomes
+
+
+def remote_outcomes(sweep_dir: Path) -> list[Outcome]:
+    """What each job of a sweep run by another process said of itself in its metrics.json: its status
+    (exit 0 only if completed) and error, with where its logs are."""
+    outcomes = []
+    for path in sorted(sweep_dir.glob(f"*/{METRICS_FILE}")):
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError):
+            m = {"status": "unreadable metrics.json"}
+        status = m.get("status")
+        if status == "completed":
+            outcomes.append(Outcome(run_dir=path.parent, exit_code=0))
+            continue
+        error = m.get("error") or f"status {status}"
+        logs = f"logs in {path.parent / 'logs'} and {sweep_dir / '.submitit'}"
+        outcomes.append(Outcome(run_dir=path.parent, exit_code=1, error=f"{error} ({logs})"))
     return outcomes
 
 

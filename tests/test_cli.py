@@ -134,6 +134,10 @@ REFUSALS = [
     (["-m", "data=mnist,cifar10", "data.root=/x"], ["data.root", "/x", "mnist files not found"]),
     (["-m", "experiment=dp_vs_ddp_vs_syncbn", "strategy.sync_bn=true"], ["strategy.sync_bn", "++key=value"]),
     (["strategy=sgd"], ["sgd", "ddp", "single"]),
+    (
+        ["-m", "hydra/launcher=slurm", "strategy=single,ddp"],
+        ["hydra/launcher=slurm", "no Slurm", "submitit_local"],
+    ),
     (["data=mnist2"], ["mnist2", "digits"]),
     (["trainer.epochs=0"], ["trainer.epochs", "> 0"]),
     (["trainer.batch_size=0"], ["trainer.batch_size"]),

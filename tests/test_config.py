@@ -3,6 +3,7 @@ composition or pre-flight with one line, exit code 2, and nothing started or cre
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -89,10 +90,15 @@ def test_help_lists_every_group_and_option():
         assert option in text
 
 
-def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node():
+def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node(tmp_path, monkeypatch):
     from hydra.utils import get_class
 
     from ddpexp.composition import remote_host
+
+    sbatch = tmp_path / "sbatch"  # a Slurm login node: sbatch on PATH
+    sbatch.write_text("#!/bin/sh\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
 
     cfg = compose(
         config_name="config",

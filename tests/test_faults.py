@@ -476,3 +476,17 @@ def test_workers_take_their_job_from_the_launcher_not_from_the_run_dir(tmp_path:
     assert result.returncode == 0, result
     assert "max_steps: 1" in (tmp_path / "run" / CONFIG_FILE).read_text()  # the decoy was in place
     assert metrics(tmp_path / "run")["final"]["step"] == 3
+
+
+def test_a_job_failing_under_submitit_fails_the_sweep_and_says_why(tmp_path: Path):
+    """Jobs run by submitit (here its local executor: the machinery Slurm uses) report their failure
+    to the command that submitted them: non-zero exit, the job's one-line error, where its logs are."""
+    args = ["-m", "hydra/launcher=submitit_local", "optim.lr=0.05,1e10", *QUICK, "trainer.max_steps=5"]
+    result = run_here(tmp_path, *args, "hydra.sweep.dir=sweep")  # lr=1e10: the loss becomes NaN
+    assert result.returncode == 1, result
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("ddpexp: error:")]
+    failed = "sweep/optim.lr=10000000000.0"
+    assert "loss became NaN" in error and f"logs in {failed}/logs" in error, error
+    assert f"run dir: {failed}  (exit code 1)" in result.stdout, result
+    assert "run dir: sweep/optim.lr=0.05\n" in result.stdout, result
+    assert metrics(tmp_path / "sweep" / "optim.lr=0.05")["status"] == "completed"
