@@ -215,6 +215,11 @@ def state_dict_of(saved: dict[str, Any], source: Path | str) -> dict[str, torch.
     return weights
 
 
+def has_any(run_dir: Path) -> bool:
+    """Whether the run directory holds any checkpoint file, loadable or not."""
+    return bool(step_files(run_dir)) or (run_dir / DIR / "best.pt").exists()
+
+
 def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in the run directory that loads; corrupt or partial ones are skipped
     with a warning naming the file. best.pt is the fallback when no periodic one is readable."""

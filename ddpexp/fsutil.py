@@ -102,3 +102,20 @@ def claim(directory: Path) -> Claim | int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return Claim(directory, fd)
+
+
+def held(directory: Path) -> bool:
+    """Whether a live process holds the claim on `directory` (see `claim`)."""
+    import fcntl
+
+    try:
+        fd = os.open(directory / CLAIM_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

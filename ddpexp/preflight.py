@@ -191,7 +191,7 @@ def check_job(
 
     check_resume(cfg.trainer.resume, model)
     if cfg.trainer.resume == "auto" and not multirun and external is None and "hydra" in cfg and not joining:
-        check_auto_resume(Path(cfg.hydra.run.dir), model, cfg)
+        check_auto_resume(Path(cfg.hydra.run.dir), model, cfg, p.global_batch)
     check_initial(cfg.model, model)
     if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume and not joining:
         check_run_dir(Path(cfg.hydra.run.dir))
@@ -285,10 +285,11 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     return model
 
 
-def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig) -> None:
+def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig, global_batch: int) -> None:
     """resume=auto, before anything in the run directory changes: the newest valid checkpoint must fit
-    the configured model (a refused resume leaves every byte of the run as it was), and a run that
-    has already trained everything it was asked to is not started again."""
+    the configured model and the run's global batch (its position in the epoch counts steps of that
+    batch), and a run that has already trained everything it was asked to is not started again. A
+    refused resume leaves every byte of the run as it was."""
     from . import checkpoint
     from .errors import NothingToDo
     from .weights import fit
@@ -298,6 +299,15 @@ def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig) -> None:
         return
     path, state = found
     fit(state["model"], model, source=path, setting="trainer.resume")
+    saved_batch = state.get("global_batch")  # absent from checkpoints older than this check
+    if saved_batch is not None and int(saved_batch) != global_batch:
+        raise UserError(
+            f"{path.name} was trained at global batch {saved_batch}, this run's is {global_batch}: its "
+            "place in the epoch and its learning-rate schedule count steps of the old batch",
+            setting="trainer.batch_size",
+            fix=f"resume with trainer.batch_size={saved_batch}, or start a new run from its weights "
+            f"with model.weights={path}",
+        )
     t = cfg.trainer
     finished_epochs = int(state.get("epoch", 0)) >= t.epochs
     finished_steps = t.max_steps is not None and int(state.get("step", 0)) >= t.max_steps

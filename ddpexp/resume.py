@@ -37,7 +37,10 @@ def find_checkpoint(resume: str | None, ctx: RunContext) -> Found | None:
         chosen = next(filter(None, (checkpoint.resolve(r, ctx.run_dir) for r in candidates)), None)
     path = distributed.gather_objects(str(chosen[0]) if chosen else None)[0]
     if path is None:
-        log.info("no checkpoint in %s yet, starting from scratch", ctx.run_dir)
+        if ctx.is_main and checkpoint.has_any(ctx.run_dir):  # every one of them skipped above
+            log.warning("no loadable checkpoint in %s: starting from scratch", ctx.run_dir)
+        else:
+            log.info("no checkpoint in %s yet, starting from scratch", ctx.run_dir)
         return None
     if chosen is not None:
         return chosen
@@ -91,6 +94,7 @@ class CheckpointKeeper:
                 "world_size": self.ctx.world_size,
                 "data_parallel": self.ctx.plan.data_parallel,  # the shards the sample order is cut into
                 "accumulate": e.s.accumulate,
+                "global_batch": e.s.global_batch,
                 "model": model,
                 "optimizer": optimizer,
                 "scheduler": e.scheduler.state_dict() if e.scheduler is not None else {},

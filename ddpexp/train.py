@@ -45,7 +45,13 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     best = Best(*tasks.best_of(cfg))
     facts = run_facts(job, ctx, splits, model, loader=mode, lr=lr, resumed=resumed[0] if resumed else None)
     recorder = open_recorder(
-        ctx, facts, best=best, progress=trainer.progress, resumed=resumed, mode=trainer.mode
+        ctx,
+        facts,
+        best=best,
+        progress=trainer.progress,
+        resumed=resumed,
+        mode=trainer.mode,
+        resuming=bool(trainer.resume),
     )
     engine = Engine(
         model=wrapped,
@@ -140,15 +146,17 @@ def open_recorder(
     progress: bool | None,
     resumed: resume.Found | None,
     mode: Mode,
+    resuming: bool = False,
 ) -> NullRecorder:
     """Rank 0's recorder (a NullRecorder elsewhere). When resuming, TensorBoard drops what an earlier
-    attempt logged after the checkpoint's step; after a restart that found no checkpoint, everything."""
+    attempt logged after the checkpoint's step; after a restart or a resume that found no loadable
+    checkpoint (starting from scratch), everything: old and new runs never mix."""
     if not ctx.is_main:
         return NullRecorder()
     purge_after = None
     if mode == Mode.train and resumed is not None:
         purge_after = int(resumed[1].get("step", 0))
-    elif mode == Mode.train and ctx.attempt > 0:
+    elif mode == Mode.train and (ctx.attempt > 0 or resuming):
         purge_after = 0
     show = progress if progress is not None else ctx.console_is_tty
     return Recorder(ctx.run_dir, facts=facts, progress=show, best=best, resume_step=purge_after)

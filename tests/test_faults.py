@@ -490,3 +490,16 @@ def test_a_job_failing_under_submitit_fails_the_sweep_and_says_why(tmp_path: Pat
     assert f"run dir: {failed}  (exit code 1)" in result.stdout, result
     assert "run dir: sweep/optim.lr=0.05\n" in result.stdout, result
     assert metrics(tmp_path / "sweep" / "optim.lr=0.05")["status"] == "completed"
+
+
+def test_a_stale_rendezvous_file_in_the_run_dir_does_not_block_resume(tmp_path: Path):
+    """init=file after a crash leaves <run dir>/rendezvous behind; resuming that run removes it (the
+    run dir is claimed, so the file cannot belong to a live run) instead of refusing to start."""
+    args = ["strategy=ddp", *QUICK, "init=file", "checkpoint.every_steps=2", "hydra.run.dir=run"]
+    first = run_here(tmp_path, *args, "trainer.max_steps=2")
+    assert first.returncode == 0, first
+    (tmp_path / "run" / "rendezvous").write_bytes(b"\0" * 64)  # what a SIGKILLed run leaves
+    again = run_here(tmp_path, *args, "trainer.max_steps=4", "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert metrics(tmp_path / "run")["final"]["step"] == 4
+    assert not (tmp_path / "run" / "rendezvous").exists()

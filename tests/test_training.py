@@ -256,6 +256,54 @@ def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path:
         checkpoint.resolve(str(newest), tmp_path)
 
 
+def test_when_every_checkpoint_is_corrupt_resume_says_so_and_starts_a_fresh_history(tmp_path: Path):
+    """resume=auto over checkpoints none of which loads: a warning, training from scratch, and the
+    TensorBoard history of the earlier run dropped (not two runs mixed on one time line)."""
+    first = run_here(
+        tmp_path, *QUICK, "trainer.max_steps=12", "checkpoint.every_steps=4", "hydra.run.dir=run"
+    )
+    assert first.returncode == 0, first
+    for path in (tmp_path / "run" / "checkpoints").iterdir():
+        path.write_bytes(b"not a checkpoint")
+    again = run_here(
+        tmp_path,
+        *QUICK,
+        "trainer.max_steps=12",
+        "trainer.log_every_steps=4",
+        "trainer.resume=auto",
+        "hydra.run.dir=run",
+    )
+    assert again.returncode == 0, again
+    assert "no loadable checkpoint in" in again.stdout + again.stderr, again
+    fresh = run_here(
+        tmp_path, *QUICK, "trainer.max_steps=12", "trainer.log_every_steps=4", "hydra.run.dir=fresh"
+    )
+    assert fresh.returncode == 0, fresh
+    points = [step for step, _ in scalars(tmp_path / "run")["train/loss"]]
+    assert points == [step for step, _ in scalars(tmp_path / "fresh")["train/loss"]]  # one run's points
+    assert metrics(tmp_path / "run")["final"]["step"] == 12
+
+
+def test_resuming_at_another_global_batch_is_refused_and_changes_nothing(tmp_path: Path):
+    first = run_here(tmp_path, *QUICK, "trainer.max_steps=6", "checkpoint.every_steps=2", "hydra.run.dir=run")
+    assert first.returncode == 0, first
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    again = run_here(
+        tmp_path,
+        *QUICK,
+        "trainer.max_steps=9",
+        "trainer.batch_size=32",
+        "trainer.resume=auto",
+        "hydra.run.dir=run",
+    )
+    assert again.returncode == 2, again
+    assert (
+        "trained at global batch 64, this run's is 32" in again.stderr
+        and "trainer.batch_size=64" in again.stderr
+    )
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.multiproc
 def test_less_common_settings_take_effect(tmp_path: Path):
     """eval_every_steps adds mid-epoch evaluations, measure_comm=false drops the comm tags, best.pt

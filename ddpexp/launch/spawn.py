@@ -88,6 +88,10 @@ def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
     logs = job.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rendezvous_file = rendezvous.init_file(cfg.dist, job.run_dir)
+    if leads and job.plan.init == "file" and cfg.dist.init_file is None:
+        # The run dir's own file: this launcher holds the dir's claim, so one left there is a crashed
+        # attempt's (a resume, a restart), never another live run's.
+        rendezvous_file.unlink(missing_ok=True)
     url = rendezvous.init_url(
         job.plan.init, addr=addr, port=port, rendezvous_file=rendezvous_file, joining=not leads
     )
