@@ -250,10 +250,12 @@ class Engine:
         )
         loss_sum, micro_count = totals.tolist()
         elapsed = time.perf_counter() - start
+        if steps and self.pos.step % log_every:  # the log window ends with the epoch, never spans two
+            self._log_train()
         throughput = steps * self.s.global_batch / elapsed if elapsed > 0 else 0.0
         self._check_finite(loss_sum)
         values = {
-            "train/loss": loss_sum / max(micro_count, 1.0),
+            "train/epoch_loss": loss_sum / max(micro_count, 1.0),  # train/loss: the log windows
             "perf/samples_per_s": throughput,
             "perf/samples_per_s_per_device": throughput / self.s.devices,
             "perf/epoch_time_s": elapsed,

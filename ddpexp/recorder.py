@@ -4,7 +4,9 @@ Other ranks get a `NullRecorder` with the same methods, so the engine calls them
 never checks its rank.
 
 TensorBoard tags (x axis = global optimizer step):
-  train/loss          mean training loss over the steps since the last log point (all ranks)
+  train/loss          mean training loss over the steps since the last log point (all ranks); a
+                      window ends at every epoch's end, so no point spans two epochs
+  train/epoch_loss    the epoch's mean training loss (at its last step)
   eval/loss, eval/<m>  exact loss and the task's metrics over the whole eval set (eval/acc; eval/top<k>;
                       regression: eval/mse, eval/mae)
   eval/samples        eval samples scored (always the eval set size: nothing counted twice)
@@ -46,6 +48,7 @@ WRITE_EVERY_S = 10.0
 MODEL_FILE = "model.pt"
 TAGS = (
     "train/loss",
+    "train/epoch_loss",
     "eval/loss",
     "eval/acc",
     "eval/samples",
@@ -304,8 +307,8 @@ def _hparam(value: Any) -> str | bool | int | float:
 
 def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:
     parts = [f"epoch {epoch}/{epochs}"]
-    if "train/loss" in v:
-        parts.append(f"train_loss {v['train/loss']:.4f}")
+    if "train/epoch_loss" in v:
+        parts.append(f"train_loss {v['train/epoch_loss']:.4f}")
     if "eval/loss" in v:
         parts.append(f"eval_loss {v['eval/loss']:.4f}")
     for tag, value in v.items():  # the task's eval metrics: accuracies in %, errors as they are

@@ -139,3 +139,14 @@ def same_weights(a: Path, b: Path) -> bool:
 
     wa, wb = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
     return wa.keys() == wb.keys() and all(torch.equal(v, wb[k]) for k, v in wa.items())
+
+
+def scored_by_single(cwd: Path, run_dir: Path) -> dict[str, Any]:
+    """The final metrics of `strategy=single` evaluating `run_dir`'s last checkpoint (in cwd/eval):
+    every strategy's checkpoint is the common full state, which a plain model scores identically."""
+    last = run_dir / "checkpoints" / "last.pt"
+    result = run_here(
+        cwd, "strategy=single", *RESUME, "trainer.mode=eval", f'trainer.resume="{last}"', "hydra.run.dir=eval"
+    )
+    assert result.returncode == 0, result
+    return metrics(cwd / "eval")["final"]

@@ -313,6 +313,23 @@ def test_without_restarts_a_failure_is_final(tmp_path: Path):
     assert _last_checkpoint_step(tmp_path / "run") == 5
 
 
+def test_a_full_disk_when_the_launcher_records_a_failure_is_said_once(tmp_path: Path, monkeypatch):
+    import errno
+
+    from ddpexp import recorder
+
+    def disk_full(path: Path, text: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    # The launcher's own metrics.json write only: the workers are processes of their own.
+    monkeypatch.setattr(recorder, "atomic_write_text", disk_full)
+    monkeypatch.setenv("DDPEXP_FAULT", "rank1:step3:raise")
+    result = run_here(tmp_path, "strategy=ddp", *QUICK, "trainer.max_steps=20", "hydra.run.dir=run")
+    assert result.returncode == 1, result
+    assert result.stderr.count("disk full") == 1 and "rank 1 of 2 failed: InjectedFault" in result.stderr
+    assert f"run dir: {tmp_path / 'run'}  (exit code 1)" in result.stdout, result
+
+
 # ------------------------------------------------------------------------------- results that lie
 
 
@@ -336,7 +353,7 @@ def test_a_diverging_loss_fails_the_run_at_a_log_point(tmp_path: Path):
     warned = run_here(tmp_path, *args, "trainer.on_nonfinite=warn", "hydra.run.dir=warned")
     assert warned.returncode == 0, warned
     m = _strict_json(tmp_path / "warned" / "metrics.json")  # strict JSON although the loss is NaN
-    assert m["status"] == "completed" and m["final"]["train/loss"] is None and "train/loss" in m["nonfinite"]
+    assert m["status"] == "completed" and m["final"]["train/epoch_loss"] is None and "train/epoch_loss" in m["nonfinite"]
 
 
 def test_a_run_that_would_take_no_step_is_refused_not_completed(tmp_path: Path):

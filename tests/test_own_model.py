@@ -94,7 +94,7 @@ def test_a_torchvision_model_builder_trains(tmp_path: Path):
     )
     assert result.returncode == 0, result
     m = metrics(tmp_path / "run")
-    assert m["final"]["step"] == 2 and math.isfinite(m["final"]["train/loss"])
+    assert m["final"]["step"] == 2 and math.isfinite(m["final"]["train/epoch_loss"])
     assert m["facts"]["model"] == "torchvision.models.resnet18"  # not the default option it replaced
     weights = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     assert weights["fc.weight"].shape == (5, 512)

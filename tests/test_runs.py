@@ -177,7 +177,7 @@ def _assert_one_run_like_self_launch(result, parity_sweep: Path) -> None:
         assert torch.equal(value, self_launched[name]), name
     ours = metrics(run_dir)["final"]
     theirs = metrics(parity_sweep / "strategy=ddp")["final"]
-    assert ours["eval/loss"] == theirs["eval/loss"] and ours["train/loss"] == theirs["train/loss"]
+    assert ours["eval/loss"] == theirs["eval/loss"] and ours["train/epoch_loss"] == theirs["train/epoch_loss"]
 
 
 @pytest.mark.parametrize("use_env", [False, True], ids=["--local-rank", "--use-env"])

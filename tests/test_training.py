@@ -149,7 +149,7 @@ def test_bf16_compile_and_channels_last_paths_run(tmp_path: Path):
     assert conv.returncode == 0, conv
     for run in ("c", "cl"):
         m = metrics(tmp_path / run)
-        assert m["facts"]["precision"] == "bf16" and math.isfinite(m["final"]["train/loss"])
+        assert m["facts"]["precision"] == "bf16" and math.isfinite(m["final"]["train/epoch_loss"])
 
 
 # ------------------------------------------------------------------- clipping, LR scaling, schedule
@@ -378,11 +378,14 @@ def test_logged_losses_are_exact_means_over_windows_longer_than_a_fold_and_acros
             train.set_epoch(epoch)
             losses += [torch.nn.functional.cross_entropy(model(x), y).item() for x, y in train]
     assert len(losses) == 256 and FOLD_EVERY < 100
-    for step, window in ((100, losses[:100]), (200, losses[100:200])):  # 200: steps 101-128 and 129-200
-        assert math.isclose(captured.logged[step]["train/loss"], sum(window) / 100, rel_tol=1e-5)
+    # A window ends at every epoch's end (step 128): a point never averages over two epochs.
+    windows = {100: losses[:100], 128: losses[100:128], 200: losses[128:200], 256: losses[200:]}
+    assert sorted(captured.logged) == sorted(windows)
+    for step, window in windows.items():
+        assert math.isclose(captured.logged[step]["train/loss"], sum(window) / len(window), rel_tol=1e-5)
     for epoch, values in enumerate(captured.epochs):
         mean = sum(losses[epoch * 128 : (epoch + 1) * 128]) / 128
-        assert math.isclose(values["train/loss"], mean, rel_tol=1e-5)
+        assert math.isclose(values["train/epoch_loss"], mean, rel_tol=1e-5) and "train/loss" not in values
 
 
 def test_buffered_scalars_reach_the_event_file_before_a_checkpoint_and_at_close(tmp_path: Path):

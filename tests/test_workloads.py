@@ -51,7 +51,7 @@ def test_advertised_pairs_train_under_single_and_ddp(name: str, tmp_path: Path):
     for run in runs:
         m = metrics(run)
         assert m["status"] == "completed", run
-        assert m["final"]["step"] == 3 and math.isfinite(m["final"]["train/loss"])
+        assert m["final"]["step"] == 3 and math.isfinite(m["final"]["train/epoch_loss"])
         assert m["final"]["eval/samples"] == m["facts"]["eval_samples"]
         assert m["facts"]["world_size"] == (2 if m["facts"]["strategy"] == "ddp" else 1)
         if name == "regression":
