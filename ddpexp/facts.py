@@ -3,13 +3,15 @@ arithmetic. The report groups and labels runs by these."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import tasks
+from . import strategies, tasks
 from .context import RunContext
 from .data import Splits
 from .job import Job
@@ -40,6 +42,7 @@ def run_facts(
         "replicas": p.replicas,
         "devices": p.devices,
         "sync_bn": bool(cfg.strategy.get("sync_bn", False)),
+        "strategy_settings": strategy_settings(cfg.strategy),  # what the report labels variants by
         "global_batch_size": p.global_batch,
         "per_rank_batch_size": p.per_rank_batch * cfg.trainer.accumulate,
         "micro_batch_size": p.per_rank_batch,
@@ -69,6 +72,19 @@ def run_facts(
         "torch": torch.__version__,
         "host": platform.node(),
     }
+
+
+def strategy_settings(section: Any) -> dict[str, Any]:
+    """The strategy's settings that differ from its schema's defaults (fsdp: reshard_after_forward
+    false; ddp: comm_hook bf16), as JSON values: two variants of one strategy tell apart by them."""
+    strategy, settings = strategies.resolve(section)
+    defaults = strategy.schema()
+    changed = {}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if field.name not in ("name", "module") and value != getattr(defaults, field.name):
+            changed[field.name] = value.value if isinstance(value, Enum) else value
+    return changed
 
 
 def _named(choice: str | None, target: str | None) -> str | None:

@@ -19,6 +19,13 @@ Definitions (also in the README):
   time to target       seconds from the run's start until its best metric first reached --target
                        (eval/acc >= target; for a min metric such as eval/mse, <= target)
   comm share           mean comm/share: fraction of training wall time with a gradient reduction running
+  comm bytes/step      comm/bytes_per_step of the last epoch: the bytes each rank's gradient reductions
+                       send per optimizer step (after PowerSGD's uncompressed start, when it ran that long)
+  strategy             the strategy, with the settings that differ from its defaults (ddp comm_hook=bf16)
+  bubble               pipeline runs, last epoch: pipe/bubble_frac (the measured share of a schedule step
+                       spent outside the rank's stage) / pipe/bubble_frac_textbook ((p-1)/(m+p-1))
+  staleness            ps async runs, last epoch: ps/staleness_mean / ps/staleness_max (server updates
+                       between a worker's pull and its push)
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import fsutil
 from .recorder import METRICS_FILE
 
 
@@ -103,8 +111,8 @@ def load_run(run_dir: Path, name: str) -> Run:
     except (OSError, ValueError) as exc:
         return Run(name, run_dir, f"unreadable ({type(exc).__name__})", {}, {}, {}, None)
     status = m.get("status", "unknown")
-    if status == "running":
-        status = "incomplete"
+    if status == "running" and not (fsutil.held(run_dir) or fsutil.held(run_dir.parent)):
+        status = "crashed"  # no live ddpexp process holds its directory (or its sweep's)
     run = Run(
         name, run_dir, status, m.get("facts", {}), m.get("final", {}), m.get("best", {}), m.get("started_at")
     )
@@ -138,6 +146,9 @@ COLUMNS = (
     "per device",
     "scaling eff.",
     "comm share",
+    "comm bytes/step",
+    "bubble: measured/textbook",
+    "staleness: mean/max",
     "peak mem (MB)",
     "per rank MB: params/grads/optim",
 )
@@ -160,7 +171,7 @@ def rows(runs: list[Run], target: float) -> list[list[str]]:
             [
                 r.name,
                 r.status,
-                str(f.get("strategy", "?")) + (" +syncbn" if f.get("sync_bn") else ""),
+                strategy_label(f),
                 str(f.get("world_size", "?")),
                 f"{f.get('global_batch_size', '?')}/{f.get('per_rank_batch_size', '?')}",
                 _metric(r.metric, r.final.get(r.metric)),
@@ -170,11 +181,28 @@ def rows(runs: list[Run], target: float) -> list[list[str]]:
                 _num(tput / r.devices if tput else None, "{:,.0f}"),
                 _num(eff, "{:.2f}"),
                 _pct(r.mean("comm/share")),
+                _num(r.final.get("comm/bytes_per_step"), "{:,.0f}"),
+                _pair(r.final, "pipe/bubble_frac", "pipe/bubble_frac_textbook", "{:.2f}"),
+                _pair(r.final, "ps/staleness_mean", "ps/staleness_max", "{:.2f}", "{:.0f}"),
                 _num(r.peak("mem/peak_mb"), "{:,.0f}"),
                 _resident(r.final),
             ]
         )
     return out
+
+
+def strategy_label(facts: dict[str, Any]) -> str:
+    """The strategy and the settings it ran with that differ from its defaults, so that variants of one
+    strategy (fsdp with and without reshard_after_forward, ddp with each comm_hook) read apart."""
+    settings = dict(facts.get("strategy_settings") or {})
+    syncbn = bool(settings.pop("sync_bn", facts.get("sync_bn")))
+    shown = [f"{key}={_setting(value)}" for key, value in sorted(settings.items())]
+    return " ".join([str(facts.get("strategy", "?")) + (" +syncbn" if syncbn else ""), *shown])
+
+
+def _setting(value: Any) -> str:
+    """As it is written on the command line: true/false, null."""
+    return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
 
 
 def _resident(final: dict[str, Any]) -> str:
@@ -183,6 +211,13 @@ def _resident(final: dict[str, Any]) -> str:
     if not all(k in final for k in keys):
         return "-"
     return "/".join(f"{final[k]:.2f}" for k in keys)
+
+
+def _pair(final: dict[str, Any], first: str, second: str, fmt: str, second_fmt: str | None = None) -> str:
+    """Two of a strategy's own last-epoch scalars as first/second; "-" for runs that do not log them."""
+    if first not in final and second not in final:
+        return "-"
+    return f"{_num(final.get(first), fmt)}/{_num(final.get(second), second_fmt or fmt)}"
 
 
 def _metric(tag: str, v: float | None) -> str:

@@ -1,12 +1,14 @@
 """Benchmark: ddpexp against hand-written PyTorch loops, interleaved in one invocation.
 
 For each model (MODELS: the default mlp; mlp64, small enough that data handling dominates; convnet,
-compute-bound) and strategy (single; ddp with 2 gloo ranks), repeated --repeats times in turn, each a
-fresh process:
+compute-bound) and strategy (single; ddp, fsdp and zero with 2 gloo ranks), repeated --repeats times
+in turn, each a fresh process:
 
   ddpexp:device  python -m ddpexp ... data=synthetic loader.mode=device   (the automatic choice)
   ddpexp:loader  the same with loader.mode=dataloader                       (torch DataLoader path)
-  plain:loader   scripts/plain_loop.py: DataLoader + DistributedSampler (+ DDP), the tutorials' loop
+  plain:loader   scripts/plain_loop.py: DataLoader + DistributedSampler (+ DDP), the tutorials' loop;
+                 for fsdp and zero its twins as PyTorch's examples write them (fully_shard per block,
+                 then the root; DDP + ZeroRedundancyOptimizer), same loop
   plain:index    the same loop over hand-written device-resident batches (tensor indexing)
   bare           (single only) one batch re-used on the device: compute only, the ceiling
 
@@ -18,8 +20,11 @@ to the ceiling (ddpexp:device / bare). Also: ddpexp's time from command to first
 data-wait and communication shares, and peak memory (max RSS of the largest rank) of ddpexp and of
 the plain loop.
 
-    python scripts/bench.py                 # full: 5 repeats of 5 epochs (about 30 minutes on 2 cores)
+    python scripts/bench.py                 # full: 5 repeats of 5 epochs (about an hour on 2 cores)
     python scripts/bench.py --smoke         # about a minute: mlp only, 1 repeat, tiny data (CI runs it)
+    python scripts/bench.py --smoke --strategies fsdp,zero    # the sharded twins, smoke-sized
+
+The smoke run's strategies are single and ddp unless --strategies names others.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def run_ddpexp(
         sys.executable, "-m", "ddpexp", f"strategy={strategy}", *MODELS[model][0], "data=synthetic",
         f"data.num_train={n}", "data.num_eval=256", f"trainer.epochs={epochs}", "trainer.batch_size=64",
         f"loader.mode={loader}", "trainer.progress=false", "checkpoint.every_epochs=null",
-        *([f"dist.nprocs={world}"] if strategy == "ddp" else []),
+        *([f"dist.nprocs={world}"] if strategy != "single" else []),
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "DDPEXP_T0": str(time.time())}
@@ -88,8 +93,10 @@ def run_script(name: str, args: list[str]) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_plain(model: str, world: int, n: int, loader: str, epochs: int) -> dict[str, float]:
+def run_plain(model: str, strategy: str, world: int, n: int, loader: str, epochs: int) -> dict[str, float]:
     args = [*MODELS[model][1], f"--world={world}", f"--num-train={n}", f"--loader={loader}"]
+    if strategy != "single":
+        args.append(f"--strategy={strategy}")  # its hand-written twin (plain_loop.py)
     return run_script("plain_loop.py", [*args, f"--epochs={epochs}"])
 
 
@@ -102,8 +109,8 @@ def measure(
     model: str, strategy: str, n: int, repeats: int, epochs: int, work: Path, *, smoke: bool = False
 ) -> dict[str, float]:
     """Medians over repeats; the variants take turns, so drifting machine load hits all alike. The smoke
-    run skips ddp's DataLoader variants (the single row already runs both data paths)."""
-    world = (min(2, torch_gpus()) if torch_gpus() else 2) if strategy == "ddp" else 1
+    run skips the distributed rows' DataLoader variants (the single row already runs both data paths)."""
+    world = (min(2, torch_gpus()) if torch_gpus() else 2) if strategy != "single" else 1
     ours = ("device",) if smoke and world > 1 else ("device", "dataloader")
     plain = (
         ("dataloader", "index", "bare") if world == 1 else ("index",) if smoke else ("dataloader", "index")
@@ -116,7 +123,8 @@ def measure(
                 run_ddpexp(model, strategy, world, n, loader, work, tag, epochs)
             )
         for loader in plain:
-            runs.setdefault(f"plain:{loader}", []).append(run_plain(model, world, n, loader, epochs))
+            result = run_plain(model, strategy, world, n, loader, epochs)
+            runs.setdefault(f"plain:{loader}", []).append(result)
     med = {
         f"{variant}/{key}": statistics.median(r[key] for r in rs)
         for variant, rs in runs.items()
@@ -174,16 +182,17 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=5, help="per process; the first is a warm-up")
     p.add_argument("--num-train", type=int, default=None, help="default: per model (MODELS)")
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--strategies", default="single,ddp")
+    p.add_argument("--strategies", default=None, help="default: single,ddp,fsdp,zero (smoke: single,ddp)")
     args = p.parse_args()
     repeats = 1 if args.smoke else args.repeats
     epochs = 2 if args.smoke else args.epochs
     models = "mlp" if args.smoke else args.models
+    strategies = args.strategies or ("single,ddp" if args.smoke else "single,ddp,fsdp,zero")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models.split(","):
             n = 512 if args.smoke else args.num_train or MODELS[model][2]
-            for strategy in args.strategies.split(","):
+            for strategy in strategies.split(","):
                 rows.append(
                     (
                         model,

@@ -1,7 +1,15 @@
 """The baseline ddpexp is measured against: training written by hand the way the tutorials write it.
 
 DataLoader + DistributedSampler (set_epoch every epoch), DistributedDataParallel, SGD; the same model
-classes and the same synthetic data as ddpexp's `data=synthetic`. Other data paths, same loop:
+classes and the same synthetic data as ddpexp's `data=synthetic`. With --world > 1, --strategy picks
+how the loop is made distributed, each written the way PyTorch's own examples write it:
+
+    --strategy ddp    DistributedDataParallel (default)
+    --strategy fsdp   FSDP2: fully_shard on each block (the model's stages, as ddpexp shards them), then
+                      on the whole model; the optimizer on the sharded parameters
+    --strategy zero   DistributedDataParallel + ZeroRedundancyOptimizer(optimizer_class=SGD)
+
+Other data paths, same loop:
 
     --loader dataloader   the tutorials' DataLoader + DistributedSampler (default)
     --loader index        hand-written device-resident batching: index the data tensor with each
@@ -11,7 +19,8 @@ classes and the same synthetic data as ddpexp's `data=synthetic`. Other data pat
     python scripts/plain_loop.py --model mlp --world 2 --num-train 8192 --epochs 2
 
 Prints one JSON line: samples/s (rank 0's wall clock, all ranks together; the median over the epochs
-after the first, which warms up) and the peak resident memory of the largest rank in MB.
+after the first, which warms up), the peak resident memory of the largest rank in MB, and the trained
+model's loss on the first 256 training samples (after timing: the twins of one loop must agree on it).
 """
 
 from __future__ import annotations
@@ -50,6 +59,28 @@ def make_model(name: str, hidden: list[int] | None) -> torch.nn.Module:
     return convnet(num_classes=10, input_shape=[1, 28, 28])
 
 
+def wrap(model: torch.nn.Module, strategy: str, *, rank: int, cuda: bool) -> torch.nn.Module:
+    """The model made distributed as PyTorch's examples do it (DDP tutorial, FSDP2 example)."""
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.stages():  # type: ignore[operator]  # mlp: body, head; convnet: 2 layers, head
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    return DistributedDataParallel(model, device_ids=[rank] if cuda else None)  # ddp, zero
+
+
+def make_optimizer(model: torch.nn.Module, strategy: str) -> torch.optim.Optimizer:
+    if strategy == "zero":  # ZeroRedundancyOptimizer's example: the optimizer class and its arguments
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, lr=0.01, momentum=0.9
+        )
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
 def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     world = args.world
     cuda = torch.cuda.is_available()  # like ddpexp's device=auto: one GPU per rank, NCCL
@@ -61,8 +92,8 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     torch.manual_seed(0)
     model = make_model(args.model, args.hidden).to(device)
     if world > 1:
-        model = DistributedDataParallel(model, device_ids=[rank] if cuda else None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model = wrap(model, args.strategy, rank=rank, cuda=cuda)
+    opt = make_optimizer(model, args.strategy if world > 1 else "ddp")
     data = make_data(args.num_train)
     per_rank = args.batch_size // world
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -98,12 +129,15 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
         if world > 1:
             dist.barrier()
         speeds.append(steps * args.batch_size / (time.perf_counter() - start))
+    with torch.no_grad():  # untimed; collective under fsdp, so every rank runs it
+        final_loss = float(F.cross_entropy(model(x_all[:256]), y_all[:256]))
     peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KiB on Linux
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         out["samples_per_s"] = statistics.median(speeds[1:] or speeds)
         out["peak_mb"] = float(peak)
+        out["final_loss"] = final_loss
     if world > 1:
         dist.destroy_process_group()
 
@@ -121,6 +155,7 @@ def main() -> None:
     p.add_argument("--model", default="mlp", choices=["mlp", "convnet"])
     p.add_argument("--hidden", type=lambda v: [int(h) for h in v.split(",")], default=None, help="mlp only")
     p.add_argument("--world", type=int, default=1)
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero"], help="with --world > 1")
     p.add_argument("--num-train", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)

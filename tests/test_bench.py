@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 from .conftest import REPO
 
@@ -44,3 +49,37 @@ def test_benchmark_smoke_prints_a_row_per_strategy():
     assert float(overhead[overhead.index("ddpexp", 1) + 1].rstrip(",")) > 0  # ddpexp vs bare
     assert float(overhead[overhead.index("hand", 1) + 1].rstrip(";")) > 0  # hand vs bare
     assert float(overhead[-1]) > 0  # ddpexp vs the DataLoader loop
+
+
+def _twins_rank(rank: int, ports: list[int], out_dir: str) -> None:
+    """Both twins in one pair of processes (half the start-up of two plain_loop.py runs)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plain_loop
+
+    results = {}
+    for strategy, port in zip(("fsdp", "zero"), ports, strict=True):
+        args = argparse.Namespace(
+            model="mlp", hidden=None, world=2, num_train=256, batch_size=64, epochs=1, loader="dataloader",
+            strategy=strategy,
+        )  # fmt: skip
+        out: dict = {}
+        plain_loop.train(rank, args, port, out)
+        results[strategy] = out
+    if rank == 0:
+        Path(out_dir, "twins.json").write_text(json.dumps(results))
+
+
+def test_plain_fsdp_and_zero_twins_train_the_same_model(tmp_path: Path):
+    """bench.py's hand-written twins (plain_loop.py --strategy fsdp|zero, 2 gloo ranks) train what
+    ddpexp's fsdp and zero train: the same SGD steps on the same batches from the same weights, so the
+    trained models score the same loss (FSDP reduce-scatters where DDP all-reduces: equal to 1e-5)."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    mp.start_processes(_twins_rank, args=(ports, str(tmp_path)), nprocs=2, start_method="spawn")
+    results = json.loads((tmp_path / "twins.json").read_text())
+    for result in results.values():
+        assert result["samples_per_s"] > 0 and result["peak_mb"] > 0
+    assert results["fsdp"]["final_loss"] == pytest.approx(results["zero"]["final_loss"], rel=1e-5)

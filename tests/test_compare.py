@@ -15,7 +15,7 @@ import torch
 from hydra import compose
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ddpexp import report
+from ddpexp import fsutil, report
 from ddpexp.composition import expand
 
 from .conftest import PARITY, metrics, run_here
@@ -113,8 +113,11 @@ def test_report_marks_a_crashed_job_instead_of_breaking(preset_sweep: Path, tmp_
     )
     report.main([str(copy)])
     text = (copy / "report.md").read_text()
-    assert "| strategy=ddp | incomplete |" in text and "| strategy=dp | failed |" in text
+    assert "| strategy=ddp | crashed |" in text and "| strategy=dp | failed |" in text  # no live process
     assert "| strategy=single | completed |" in text
+    with fsutil.claim(copy):  # type: ignore[union-attr]  # the sweep's launcher still alive: running
+        report.main([str(copy)])
+    assert "| strategy=ddp | running |" in (copy / "report.md").read_text()
 
 
 def test_naive_buckets_pack_parameters_up_to_the_cap():
@@ -169,7 +172,14 @@ def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tm
 @pytest.mark.usefixtures("hydra_conf")
 @pytest.mark.parametrize(
     ("preset", "jobs"),
-    [("dp_vs_ddp_vs_syncbn", 4), ("scaling", 6), ("backends_and_init", 6), ("allreduce", 6)],
+    [
+        ("dp_vs_ddp_vs_syncbn", 4),
+        ("scaling", 6),
+        ("backends_and_init", 6),
+        ("allreduce", 6),
+        ("sharding", 6),
+        ("architectures", 8),
+    ],
 )
 def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
     from ddpexp.preflight import check_job
@@ -183,6 +193,183 @@ def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
     host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
     for job in expanded:  # every job of every preset runs on a CPU-only machine
         check_job(comp(job), host, multirun=True)
+
+
+SHARDING = {  # experiment=sharding's jobs: strategy option -> (strategy, the settings that differ)
+    "ddp": ("ddp", {}),
+    "zero": ("zero", {}),
+    "fsdp": ("fsdp", {}),
+    "fsdp_no_reshard": ("fsdp", {"reshard_after_forward": False}),
+    "ddp_bf16": ("ddp", {"comm_hook": "bf16"}),
+    "ddp_powersgd": ("ddp", {"comm_hook": "powersgd"}),
+}
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_sharding_preset_runs_each_variant_on_the_same_resnet_and_batch_and_labels_them_apart():
+    """Composition only: six jobs, one per strategy variant, ResNet-18 on CIFAR-shaped synthetic data
+    at one global batch; the settings each run records (facts.strategy_settings) give six labels."""
+    from ddpexp.facts import strategy_settings
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand(["experiment=sharding"], multirun=True, compose=comp)
+    assert varying == {"strategy"}
+    options = [o.removeprefix("strategy=") for job in expanded for o in job if o.startswith("strategy=")]
+    assert options == list(SHARDING)
+    labels = set()
+    for job, option in zip(expanded, options, strict=True):
+        cfg = comp(job)
+        strategy, settings = SHARDING[option]
+        assert cfg.strategy.name == strategy
+        assert strategy_settings(cfg.strategy) == settings
+        assert cfg.model._target_ == "ddpexp.models.resnet.resnet18" and not cfg.model.cifar_stem
+        assert (cfg.data._target_, list(cfg.data.shape)) == ("ddpexp.data.synthetic.synthetic", [3, 32, 32])
+        assert (cfg.trainer.batch_size, cfg.trainer.batch_per_rank, cfg.trainer.accumulate) == (64, None, 1)
+        labels.add(report.strategy_label({"strategy": strategy, "strategy_settings": settings}))
+    assert labels == {
+        "ddp",
+        "zero",
+        "fsdp",
+        "fsdp reshard_after_forward=false",
+        "ddp comm_hook=bf16",
+        "ddp comm_hook=powersgd",
+    }
+
+
+ARCHITECTURES = {  # experiment=architectures' jobs: option -> (strategy, settings that differ, world size)
+    "ddp": ("ddp", {}, 2),
+    "naive_allreduce": ("naive_allreduce", {}, 2),
+    "naive_allreduce_ring": ("naive_allreduce", {"algorithm": "ring"}, 2),
+    "ps": ("ps", {}, 3),
+    "ps_async": ("ps", {"mode": "async"}, 3),
+    "ddp_mp": ("ddp_mp", {}, 2),
+    "pipeline": ("pipeline", {}, 2),
+    "pipeline_1f1b": ("pipeline", {"schedule": "1f1b"}, 2),
+}
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_and_labels_them_apart():
+    """Composition only: eight jobs, one per strategy variant, the BatchNorm-free ConvNet on digits at
+    one global batch on a CPU (ps: a server and two workers); eight distinct labels in the report."""
+    from ddpexp.facts import strategy_settings
+    from ddpexp.preflight import check_job
+    from ddpexp.validate import HostFacts
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand(["experiment=architectures"], multirun=True, compose=comp)
+    assert varying == {"strategy"}
+    options = [o.removeprefix("strategy=") for job in expanded for o in job if o.startswith("strategy=")]
+    assert options == list(ARCHITECTURES)
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    labels = set()
+    for job, option in zip(expanded, options, strict=True):
+        cfg = comp(job)
+        strategy, settings, world = ARCHITECTURES[option]
+        assert cfg.strategy.name == strategy
+        assert strategy_settings(cfg.strategy) == settings
+        assert cfg.model._target_ == "ddpexp.models.convnet.convnet" and cfg.model.batch_norm is False
+        assert cfg.data._target_ == "ddpexp.data.digits.digits"
+        plan = check_job(cfg, host, multirun=True)
+        assert (plan.world_size, plan.global_batch) == (world, 64)
+        labels.add(report.strategy_label({"strategy": strategy, "strategy_settings": settings}))
+    assert labels == {
+        "ddp",
+        "naive_allreduce",
+        "naive_allreduce algorithm=ring",
+        "ps",
+        "ps mode=async",
+        "ddp_mp",
+        "pipeline",
+        "pipeline schedule=1f1b",
+    }
+
+
+def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_that_log_them(tmp_path: Path):
+    """Fabricated runs (metrics.json only): pipeline runs show their last epoch's measured bubble next
+    to the textbook one, ps async its staleness mean/max; every other run shows "-" there."""
+    finals = {
+        "strategy=pipeline": {"pipe/bubble_frac": 0.6912, "pipe/bubble_frac_textbook": 0.2},
+        "strategy=pipeline_1f1b": {"pipe/bubble_frac": 0.65, "pipe/bubble_frac_textbook": 0.2},
+        "strategy=ps_async": {"ps/staleness_mean": 0.981, "ps/staleness_max": 2.0},
+        "strategy=ps": {},
+        "strategy=ddp": {},
+    }
+    for name, final in finals.items():
+        (tmp_path / name).mkdir()
+        facts = {"strategy": name.removeprefix("strategy=").split("_")[0]}
+        (tmp_path / name / "metrics.json").write_text(
+            json.dumps({"status": "completed", "facts": facts, "final": final, "best": {}, "history": []})
+        )
+    report.main([str(tmp_path)])
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| run |")).split(" | ")
+    table = {
+        row.split(" | ")[0].removeprefix("| "): dict(zip(header, row.split(" | "), strict=True))
+        for row in lines
+        if row.startswith("| strategy=")
+    }
+    bubble, staleness = "bubble: measured/textbook", "staleness: mean/max"
+    assert {name: (row[bubble], row[staleness]) for name, row in table.items()} == {
+        "strategy=pipeline": ("0.69/0.20", "-"),
+        "strategy=pipeline_1f1b": ("0.65/0.20", "-"),
+        "strategy=ps_async": ("-", "0.98/2"),
+        "strategy=ps": ("-", "-"),
+        "strategy=ddp": ("-", "-"),
+    }
+
+
+def test_report_labels_strategy_variants_apart_and_shows_bytes_and_memory(tmp_path: Path):
+    """Fabricated runs (metrics.json only): the strategy column names each variant's settings, and the
+    table carries comm bytes per step and memory per category next to accuracy."""
+    runs = {
+        "strategy=fsdp": ({"strategy": "fsdp", "strategy_settings": {}}, 0.5),
+        "strategy=fsdp_no_reshard": (
+            {"strategy": "fsdp", "strategy_settings": {"reshard_after_forward": False}},
+            0.5,
+        ),
+        "strategy=ddp_bf16": ({"strategy": "ddp", "strategy_settings": {"comm_hook": "bf16"}}, 1.0),
+        "strategy=ddp_sync_bn": (
+            {"strategy": "ddp", "sync_bn": True, "strategy_settings": {"sync_bn": True}},
+            1.0,
+        ),
+        "strategy=ddp": ({"strategy": "ddp", "sync_bn": False}, 1.0),  # written before strategy_settings
+    }
+    for name, (facts, share) in runs.items():
+        final = {
+            "eval/acc": 0.25,
+            "comm/bytes_per_step": 22_000_000.0,
+            "mem/params_mb": 42.6 * share,
+            "mem/grads_mb": 42.6 * share,
+            "mem/optim_state_mb": 42.6 * share,
+        }
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(
+            json.dumps({"status": "completed", "facts": facts, "final": final, "best": final, "history": []})
+        )
+    report.main([str(tmp_path)])
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| run |")).split(" | ")
+    table = {
+        row.split(" | ")[0].removeprefix("| "): dict(zip(header, row.split(" | "), strict=True))
+        for row in lines
+        if row.startswith("| strategy=")
+    }
+    assert {name: row["strategy"] for name, row in table.items()} == {
+        "strategy=fsdp": "fsdp",
+        "strategy=fsdp_no_reshard": "fsdp reshard_after_forward=false",
+        "strategy=ddp_bf16": "ddp comm_hook=bf16",
+        "strategy=ddp_sync_bn": "ddp +syncbn",
+        "strategy=ddp": "ddp",
+    }
+    assert table["strategy=fsdp"]["comm bytes/step"] == "22,000,000"
+    assert table["strategy=fsdp"]["per rank MB: params/grads/optim |"] == "21.30/21.30/21.30 |"
+    assert table["strategy=ddp"]["per rank MB: params/grads/optim |"] == "42.60/42.60/42.60 |"
+    assert table["strategy=ddp"]["final"] == "25.00%"
 
 
 def test_report_refuses_a_directory_without_runs(tmp_path: Path):

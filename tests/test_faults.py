@@ -353,7 +353,11 @@ def test_a_diverging_loss_fails_the_run_at_a_log_point(tmp_path: Path):
     warned = run_here(tmp_path, *args, "trainer.on_nonfinite=warn", "hydra.run.dir=warned")
     assert warned.returncode == 0, warned
     m = _strict_json(tmp_path / "warned" / "metrics.json")  # strict JSON although the loss is NaN
-    assert m["status"] == "completed" and m["final"]["train/epoch_loss"] is None and "train/epoch_loss" in m["nonfinite"]
+    assert (
+        m["status"] == "completed"
+        and m["final"]["train/epoch_loss"] is None
+        and "train/epoch_loss" in m["nonfinite"]
+    )
 
 
 def test_a_run_that_would_take_no_step_is_refused_not_completed(tmp_path: Path):

@@ -109,7 +109,9 @@ def test_pipeline_trains_like_single_at_the_same_global_batch(parity_sweep: Path
         assert ours["facts"]["world_size"] == 2
         assert ours["final"]["eval/samples"] == theirs["final"]["eval/samples"]
         assert ours["final"]["eval/loss"] == pytest.approx(theirs["final"]["eval/loss"], rel=1e-5)
-        assert ours["final"]["train/epoch_loss"] == pytest.approx(theirs["final"]["train/epoch_loss"], rel=1e-5)
+        assert ours["final"]["train/epoch_loss"] == pytest.approx(
+            theirs["final"]["train/epoch_loss"], rel=1e-5
+        )
         assert_bubble(run, stages=2, microbatches=4)
         # each rank holds its own stage only: the first (the MLP's body) is the larger
         body = sum(v.numel() for k, v in weights(run).items() if k.startswith("body.")) * 4 / 2**20

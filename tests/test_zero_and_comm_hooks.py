@@ -9,6 +9,7 @@ fp16 and 9.8e-6 with bf16 (asserted: 1e-5 and 5e-5)."""
 from __future__ import annotations
 
 import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,40 @@ def test_powersgd_bytes_are_the_full_buffer_then_p_and_q():
     assert sent == [2892, 2892, 892, 892]
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_resuming_under_powersgd_warns_that_its_state_starts_over(caplog: pytest.LogCaptureFixture):
+    """PowerSGD's step count and error feedback are not in checkpoints (ddp.py says why): training that
+    resumes under it says so, for every strategy that takes the hook; without PowerSGD, nothing."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddpexp.strategies.ddp import DDP
+    from ddpexp.strategies.ddp_mp import DdpMp
+
+    make = optim.spec(OmegaConf.structured(OptimConfig(name=OptimizerName.sgd, lr=0.1, momentum=0.9)))
+    for strategy in (DDP(), Zero(), DdpMp()):
+        for hook in CommHook:
+            model = torch.nn.Linear(4, 2)
+            ddp = DistributedDataParallel(model)
+            register_comm_hook(ddp, DdpConfig(comm_hook=hook, powersgd_start_iter=3), measure=hook == "bf16")
+            wrapped = Wrapped(module=ddp, base=model)
+            optimizer = strategy.build_optimizer(wrapped, make)
+            ddp(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            saved = strategy.optimizer_state(wrapped, optimizer)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                strategy.load_optimizer_state(wrapped, optimizer, saved)
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            if hook == CommHook.powersgd:
+                assert len(warned) == 1 and "strategy.comm_hook=powersgd" in warned[0], (
+                    strategy.name,
+                    warned,
+                )
+                assert "3 uncompressed steps" in warned[0] and "not bitwise" in warned[0]
+            else:
+                assert warned == [], (strategy.name, hook, warned)
+
+
 def _powersgd_bytes(shapes: list[torch.Size], rank: int) -> int:
     """PowerSGD's bytes per step, from the parameter shapes: an n x m matrix (n = first dimension)
     sends (n + m) * rank floats when that is less than half of n * m, everything else goes in full."""
@@ -226,6 +261,7 @@ def test_fp16_and_bf16_hooks_stay_close_to_ddp_and_halve_the_bytes(parity_sweep:
             torch.testing.assert_close(compressed[name], value, rtol=0, atol=atol, msg=(hook, name))
         assert not all(torch.equal(compressed[n], v) for n, v in uncompressed.items()), hook
         assert _bytes_per_step(runs[f"ddp-{hook}"]) * 2 == _bytes_per_step(ddp), hook
+        assert metrics(runs[f"ddp-{hook}"])["facts"]["strategy_settings"] == {"comm_hook": hook}
     # zero and ddp_mp take the same hook: the same bytes, and (nearly) the same weights as ddp's bf16.
     bf16 = _weights(runs["ddp-bf16"])
     for run, reference in (("zero-bf16", ddp), ("ddp_mp-bf16", parity_sweep / "strategy=ddp_mp")):
@@ -237,10 +273,13 @@ def test_fp16_and_bf16_hooks_stay_close_to_ddp_and_halve_the_bytes(parity_sweep:
 
 @pytest.mark.multiproc
 def test_powersgd_reaches_95_percent_on_digits_sending_its_rank_1_factors(tmp_path: Path):
-    """The default experiment (ConvNet on digits) under ddp with PowerSGD (rank 1, from step 10)."""
+    """The default experiment (ConvNet on digits) under ddp with PowerSGD (rank 1, from step 10), its
+    gradients in several DDP buckets: on gloo, PowerSGD's chained all-reduces of one bucket race the
+    next bucket's unless the hook takes one bucket at a time (ddp.one_bucket_at_a_time); without that,
+    the ranks issue them in different orders and gloo stops the run."""
     result = run_here(
-        tmp_path, "strategy=ddp", "strategy.comm_hook=powersgd", "trainer.epochs=4", "trainer.progress=false",
-        "hydra.run.dir=run",
+        tmp_path, "strategy=ddp", "strategy.comm_hook=powersgd", "strategy.bucket_cap_mb=0.03",
+        "trainer.epochs=4", "trainer.progress=false", "hydra.run.dir=run",
     )  # fmt: skip
     assert result.returncode == 0, result
     m = metrics(tmp_path / "run")

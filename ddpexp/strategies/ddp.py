@@ -5,11 +5,18 @@ strategy.comm_hook compresses what the all-reduces send, with torch's DDP commun
 fp16/bf16 cast each bucket to that dtype (half the bytes), powersgd sends a rank-`powersgd_rank`
 factorisation of each gradient matrix after `powersgd_start_iter` full-precision steps (PowerSGD,
 Vogels et al. 2019, with error feedback). With trainer.measure_comm the chosen hook is wrapped in a
-timing hook that records the bytes it actually sends (comm.py). ddp_mp and zero share all of this."""
+timing hook that records the bytes it actually sends (comm.py). ddp_mp and zero share all of this.
+
+PowerSGD's state (its step count, error feedback, warm-start factors) is not in checkpoints, and a
+resumed run says so (`warn_powersgd_restarts`). Saving it would not restore it: PowerSGD keys that state
+by DDP bucket, and DDP rebuilds its buckets after the first step (by the order the gradients became
+ready; ResNet-18: one bucket in step 1, three from step 2), so a resumed run's first step has other
+buckets than the ones the saved tensors belong to."""
 
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -27,6 +34,11 @@ if TYPE_CHECKING:
 
     from ..context import RunContext
     from ..validate import HostFacts, Plan
+
+log = logging.getLogger(__name__)
+
+# Where register_comm_hook leaves the PowerSGD hook's state on the DistributedDataParallel module.
+POWERSGD_STATE = "ddpexp_powersgd_state"
 
 SYNC_BUFFERS_ARG = (
     "forward_sync_buffers"
@@ -79,6 +91,12 @@ class DDP(Strategy[DdpConfig]):
         ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs(settings))
         meter = register_comm_hook(ddp, settings, measure=measure_comm)
         return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, comm=meter)
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        warn_powersgd_restarts(wrapped)  # called when training resumes from a checkpoint
+        super().load_optimizer_state(wrapped, optimizer, state)
 
 
 def check_settings(settings: DdpConfig) -> None:
@@ -136,6 +154,9 @@ def register_comm_hook(
             start_powerSGD_iter=settings.powersgd_start_iter,
         )
         hook, sent = powerSGD_hook.powerSGD_hook, powersgd_bytes(state)
+        if not _nccl(ddp):
+            hook = one_bucket_at_a_time(hook)
+        setattr(ddp, POWERSGD_STATE, state)
     if not measure:
         if settings.comm_hook != CommHook.none:
             ddp.register_comm_hook(state, hook)
@@ -143,3 +164,41 @@ def register_comm_hook(
     meter = CommMeter()
     ddp.register_comm_hook(state, timed_hook(meter, hook, sent))
     return meter
+
+
+def _nccl(ddp: DistributedDataParallel) -> bool:
+    """Whether the gradients are reduced with NCCL (CUDA tensors, an NCCL process group)."""
+    import torch.distributed as dist
+
+    on_cuda = next(ddp.module.parameters()).device.type == "cuda"
+    return on_cuda and "nccl" in str(dist.get_backend(ddp.process_group))
+
+
+def one_bucket_at_a_time(inner: Any) -> Any:
+    """A DDP hook that lets `inner`'s work for one bucket finish, callbacks included, before the next
+    bucket's starts. PowerSGD launches a bucket's second and third all-reduce from the completion
+    callback of the one before; gloo runs those callbacks on its own threads, where they race the next
+    bucket's first all-reduce, so with several buckets two ranks can issue their collectives in
+    different orders and gloo fails ("Received data size doesn't match expected size"). Waiting costs
+    the overlap of PowerSGD's communication with the rest of the backward pass; NCCL, which PowerSGD
+    was written for, is left to run as torch runs it."""
+
+    def hook(state, bucket):  # no annotations: DDP accepts only the real types, or none
+        fut = inner(state, bucket)
+        fut.wait()
+        return fut
+
+    return hook
+
+
+def warn_powersgd_restarts(wrapped: Wrapped) -> None:
+    """Resuming under PowerSGD: say that its state starts over (see the module docstring for why it is
+    not saved), so nobody expects the resumed run to be bitwise the uninterrupted one."""
+    state = getattr(wrapped.module, POWERSGD_STATE, None)
+    if state is None:
+        return
+    log.warning(
+        "resuming with strategy.comm_hook=powersgd: PowerSGD's state is not in checkpoints, so it starts "
+        "over (%d uncompressed steps, empty error feedback) and the run is not bitwise the uninterrupted one",
+        state.start_powerSGD_iter,
+    )

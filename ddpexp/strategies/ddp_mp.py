@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, require_positive
 from . import Strategy, Wrapped, maybe_sync_bn, register
-from .ddp import DdpConfig, check_settings, ddp_kwargs, register_comm_hook
+from .ddp import DdpConfig, check_settings, ddp_kwargs, register_comm_hook, warn_powersgd_restarts
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -63,6 +63,12 @@ class DdpMp(Strategy[DdpMpConfig]):
             eval_module=pipeline,
             comm=register_comm_hook(ddp, settings, measure=measure_comm),
         )
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        warn_powersgd_restarts(wrapped)  # called when training resumes from a checkpoint
+        super().load_optimizer_state(wrapped, optimizer, state)
 
 
 def model_stages(model: nn.Module) -> list[nn.Module]:

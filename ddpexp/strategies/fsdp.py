@@ -3,9 +3,10 @@ state sharded across ranks, parameters all-gathered for each unit's forward and 
 reduce-scattered.
 
 Shard units are the model's blocks: a shipped model declares them with `shard_units()` (or, failing
-that, its `stages()`, the blocks it already declares for ddp_mp); each unit is wrapped with
-fully_shard, then the root. Any other model is sharded as one unit, with a warning (it then all-gathers
-every parameter at once, which saves no memory at peak).
+that, its `stages()`, the blocks it already declares for ddp_mp); each unit that is a submodule of the
+model is wrapped with fully_shard, then the root (which takes the parameters of the rest). Any other
+model is sharded as one unit, with a warning (it then all-gathers every parameter at once, which saves
+no memory at peak).
 
 - reshard_after_forward=true frees a unit's gathered parameters after its forward and gathers them
   again for backward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one
@@ -63,11 +64,17 @@ class FsdpConfig(StrategyConfig):
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks each wrapped with fully_shard (the model's own declaration), [] if it has none."""
+    """The blocks each wrapped with fully_shard (the model's own declaration), [] if it has none.
+
+    Only blocks that are submodules of the model: stages() may build a container for ddp_mp around
+    modules the model calls one by one (ResNet's stem and head), whose forward then never runs, so FSDP
+    would never gather its parameters (and the root, finding them sharded already, refuses them). Those
+    parameters go with the root's unit instead."""
     for name in ("shard_units", "stages"):
         declared = getattr(model, name, None)
         if callable(declared):
-            return [m for m in declared() if any(True for _ in m.parameters())]
+            inside = {id(m) for m in model.modules() if m is not model}
+            return [m for m in declared() if id(m) in inside and any(True for _ in m.parameters())]
     return []
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import MakeOptimizer, Wrapped, register
-from .ddp import DDP, DdpConfig
+from .ddp import DDP, DdpConfig, warn_powersgd_restarts
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +48,7 @@ class Zero(DDP):
     def load_optimizer_state(
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
+        warn_powersgd_restarts(wrapped)
         # ZeroRedundancyOptimizer keeps its own shard of the full state and overwrites the entries of
         # the others' with None: give it a copy, not the checkpoint's dict.
         _zero(optimizer).load_state_dict({**state, "state": dict(state["state"])})
