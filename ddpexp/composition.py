@@ -56,6 +56,8 @@ def composer(config_name: str = CONFIG_NAME) -> Iterator[Compose]:
                 try:
                     return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
                 except Exception as exc:  # Hydra/OmegaConf composition errors: one line naming the key
+                    if _yaml_error(exc) is not None:
+                        raise UserError(one_line(exc), fix=YAML_FIX) from exc
                     raise UserError(one_line(exc), fix=_fix(exc)) from exc
 
             yield compose_one
@@ -88,6 +90,8 @@ def expand(
     try:
         base = compose(fixed)
     except UserError as exc:
+        if _yaml_error(exc) is not None:  # a broken file, whatever the overrides
+            raise
         raise UserError(
             f"{exc.message} (Hydra applies it before choosing the swept options)",
             fix=(f"{exc.fix}; " if exc.fix else "")
@@ -195,10 +199,34 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+YAML_FIX = "correct the YAML at that line; usual causes: an unclosed bracket or quote, a tab, indentation"
+
+
+def _yaml_error(exc: BaseException) -> Any:
+    """The YAML syntax error (with its file, line and column) behind a composition error, if any."""
+    from yaml import MarkedYAMLError
+
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, MarkedYAMLError):
+        seen = seen.__cause__ or seen.__context__
+    return seen if seen is not None and seen.problem_mark is not None else None
+
+
 def one_line(exc: BaseException) -> str:
     """Hydra's message, with the precise reason OmegaConf gave underneath it, on one line."""
     from hydra.errors import OverrideParseException
 
+    syntax = _yaml_error(exc)
+    if syntax is not None:  # line and column counted from 1, as editors do
+        mark, began = syntax.problem_mark, syntax.context_mark
+        context = f" ({syntax.context}" if syntax.context else ""
+        if context and began is not None and began.name == mark.name:
+            context += f" at line {began.line + 1}, column {began.column + 1}"
+        context += ")" if context else ""
+        problem = syntax.problem or type(syntax).__name__
+        return (
+            f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}{context}"
+        )
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     head = lines[0] if lines else type(exc).__name__
     options = [ln for ln in lines if ln.startswith("Available options")]

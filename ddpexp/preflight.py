@@ -70,6 +70,9 @@ def preflight(
         prewarm(spawns[0])
     if joining is not None:  # node 0 makes and claims the run dir
         return Checked(overrides, joining)
+    if first is not None and "hydra" in first:
+        key = "sweep" if multirun else "run"
+        check_output_dir(Path(str(first.hydra[key].dir)), setting=f"hydra.{key}.dir")
     pin, output_dir = _pinned_output_dir(first, multirun=multirun) if first is not None else ([], None)
     if output_dir is not None and multirun:
         check_sweep_dir(output_dir, first.trainer.resume)  # type: ignore[union-attr]
@@ -98,6 +101,26 @@ def _pinned_output_dir(cfg: DictConfig, *, multirun: bool) -> tuple[list[str], P
     if not re.fullmatch(r"[\w./+-]+", resolved):  # not safe to pass back unquoted: let Hydra resolve it
         return [], None
     return [f"hydra.{key}.dir={resolved}"], Path(resolved)
+
+
+def check_output_dir(directory: Path, *, setting: str) -> None:
+    """Hydra makes the run's (or sweep's) directory and writes into it: the nearest part of its path that
+    exists must be a directory this user may write into (else Hydra fails with a traceback)."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(
+            f"{existing} is not a directory, so {directory} cannot be made",
+            setting=setting,
+            fix=f"choose a {setting} whose parents are directories",
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{existing} is not writable, so {directory} cannot be made or written there",
+            setting=setting,
+            fix=f"choose a {setting} you can write to (e.g. under the current directory)",
+        )
 
 
 def check_sweep_dir(sweep_dir: Path, resume: str | None) -> None:

@@ -5,6 +5,7 @@ and launches it. Used by the command line and by the in-process API alike; neith
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -167,7 +168,16 @@ def claim_output(directory: Path | None) -> fsutil.Claim | None:
     a UserError naming the holder when another ddpexp run has it."""
     if directory is None:
         return None
-    got = fsutil.claim(directory)
+    try:
+        got = fsutil.claim(directory)
+    except OSError as exc:  # pre-flight saw a writable parent; the disk may still be full, or a race
+        full = exc.errno == errno.ENOSPC
+        raise UserError(
+            f"cannot make {directory}: {exc.strerror or exc}",
+            setting="hydra.run.dir",
+            fix=("free space on that disk, or " if full else "")
+            + "choose a hydra.run.dir you can write to (hydra.sweep.dir for sweeps)",
+        ) from exc
     if not isinstance(got, fsutil.Claim):
         from .preflight import refuse_claimed
 

@@ -260,6 +260,89 @@ def test_a_stale_rendezvous_file_is_refused(tmp_path: Path, tmp_path_factory, mo
     assert "dist.init_file" in line and "already exists" in line and stale.exists()
 
 
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("t10k-labels-idx1-ubyte", ["t10k-labels-idx1-ubyte", "data.download=true"]),
+        ("magic", ["train-images-idx3-ubyte", "bad magic number 0x00000801 (expected 0x00000803)"]),
+    ],
+)
+def test_an_incomplete_or_corrupt_mnist_is_refused_naming_the_file(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys, damage: str, words: list[str]
+):
+    from .fake_data import write_mnist
+
+    root = write_mnist(tmp_path_factory.mktemp("data"))
+    raw = root / "MNIST" / "raw"
+    if damage == "magic":
+        images = raw / "train-images-idx3-ubyte"
+        images.write_bytes(b"\0\0\x08\x01" + images.read_bytes()[4:])
+    else:
+        (raw / damage).unlink()
+    line = refuse(tmp_path, monkeypatch, capsys, "data=mnist", f"data.root={root}")
+    assert all(word in line for word in words), line
+
+
+def test_a_yaml_syntax_error_in_your_config_dir_names_the_file_and_line(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys
+):
+    mine = tmp_path_factory.mktemp("conf") / "model" / "mine.yaml"
+    mine.parent.mkdir()
+    mine.write_text("# my model\n_target_: ddpexp.models.mlp.mlp\nhidden: [32, 16\nbatch_norm: false\n")
+    line = refuse(tmp_path, monkeypatch, capsys, "--config-dir", str(mine.parent.parent), "model=mine")
+    assert f"{mine}, line 4, column 11" in line and "expected ',' or ']'" in line, line
+    assert "line 3" in line  # where the unclosed [ began
+
+
+@pytest.mark.parametrize(("sweep", "setting"), [(False, "hydra.run.dir"), (True, "hydra.sweep.dir")])
+def test_an_output_dir_under_a_read_only_directory_is_refused(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys, sweep: bool, setting: str
+):
+    import os
+
+    locked = tmp_path_factory.mktemp("locked")
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            # Root ignores permission bits, so here only the refusal is tested, not the kernel's verdict:
+            # os.access answers for `locked` as it would for any other user.
+            real = os.access
+            monkeypatch.setattr(
+                os,
+                "access",
+                lambda p, mode, **kw: not (Path(p) == locked and mode & os.W_OK) and real(p, mode, **kw),
+            )
+        args = ["-m", f"{setting}={locked}/out/sweep"] if sweep else [f"{setting}={locked}/out/run"]
+        line = refuse(tmp_path, monkeypatch, capsys, *args)
+    finally:
+        locked.chmod(0o755)
+    assert setting in line and f"{locked} is not writable" in line, line
+
+
+@pytest.mark.parametrize("code", ["EACCES", "ENOSPC"])
+def test_an_os_error_making_the_run_dir_is_one_line_naming_it(tmp_path: Path, monkeypatch, capsys, code: str):
+    import errno
+    import os
+
+    from ddpexp import fsutil
+
+    number = getattr(errno, code)
+
+    def fail(directory: Path) -> None:
+        raise OSError(number, os.strerror(number), str(directory))
+
+    monkeypatch.setattr(fsutil, "claim", fail)
+    line = refuse(tmp_path, monkeypatch, capsys, "hydra.run.dir=out/run")
+    assert "hydra.run.dir" in line and "out/run" in line and os.strerror(number) in line, line
+
+
+def test_a_run_dir_below_a_file_is_refused(tmp_path: Path, tmp_path_factory, monkeypatch, capsys):
+    a_file = tmp_path_factory.mktemp("elsewhere") / "notes.txt"
+    a_file.write_text("")
+    line = refuse(tmp_path, monkeypatch, capsys, f"hydra.run.dir={a_file}/run")
+    assert "hydra.run.dir" in line and f"{a_file} is not a directory" in line, line
+
+
 # What torch.distributed.launch sets besides --local-rank=N (torch >= 2.0 sets LOCAL_RANK too).
 LAUNCH_ENV = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 

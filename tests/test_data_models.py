@@ -200,3 +200,107 @@ def test_digits_says_its_split_sizes_before_loading(tmp_path: Path):
     splits = source.load(tmp_path)
     info = source.info()
     assert (info.train_samples, info.eval_samples) == (len(splits.train.dataset), len(splits.eval.dataset))
+
+
+IDX_FILES = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+]
+
+
+@pytest.mark.parametrize("data", ["mnist", "fashion_mnist"])
+@pytest.mark.parametrize("missing", IDX_FILES)
+def test_a_missing_idx_file_is_named_before_anything_starts(data: str, missing: str, tmp_path: Path):
+    source = _source(data, tmp_path)
+    (source.raw_dir() / missing).unlink()
+    with pytest.raises(UserError) as err:
+        source.check()
+    assert missing in str(err.value) and "data.download=true" in str(err.value)
+
+
+def _corrupt_idx(raw: Path, how: str) -> tuple[str, list[str]]:
+    """Damage one file the way real downloads get damaged; (the file, words the error must say)."""
+    import numpy as np
+
+    from .fake_data import write_idx
+
+    images = raw / "train-images-idx3-ubyte"
+    labels = raw / "train-labels-idx1-ubyte"
+    if how == "magic":
+        images.write_bytes(bytes([0, 0, 8, 1]) + images.read_bytes()[4:])
+        return images.name, ["bad magic number 0x00000801", "expected 0x00000803"]
+    if how == "counts":
+        write_idx(labels, np.zeros(95, dtype=np.uint8))
+        return labels.name, ["holds 95 labels but", "train-images-idx3-ubyte holds 96 images"]
+    if how == "truncated":
+        images.write_bytes(images.read_bytes()[:-100])
+        return images.name, ["truncated", "96 images of 28x28"]
+    if how == "header":
+        labels.write_bytes(labels.read_bytes()[:6])
+        return labels.name, ["truncated", "header"]
+    if how == "size":
+        write_idx(images, np.zeros((96, 32, 32), dtype=np.uint8))
+        return images.name, ["32x32", "28x28"]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("data", ["mnist", "fashion_mnist"])
+@pytest.mark.parametrize("how", ["magic", "counts", "truncated", "header", "size"])
+def test_a_corrupt_idx_file_is_named_with_what_is_wrong(data: str, how: str, tmp_path: Path):
+    source = _source(data, tmp_path)
+    name, words = _corrupt_idx(source.raw_dir(), how)
+    for step in (source.check, lambda: source.load(tmp_path)):  # pre-flight, and a worker's load
+        with pytest.raises(UserError) as err:
+            step()
+        message = str(err.value)
+        assert str(source.raw_dir() / name) in message and "\n" not in message, message
+        assert all(word in message for word in words), message
+
+
+def _corrupt_cifar(folder: Path, how: str) -> tuple[str, list[str]]:
+    import pickle
+
+    import numpy as np
+
+    batch = folder / "data_batch_3"
+    good = pickle.loads(batch.read_bytes(), encoding="bytes")
+    if how == "garbage":
+        batch.write_bytes(b"<html>404 not found</html>")
+        return batch.name, ["does not unpickle"]
+    if how == "truncated":
+        batch.write_bytes(batch.read_bytes()[:1000])
+        return batch.name, ["does not unpickle"]
+    if how == "no labels":
+        batch.write_bytes(pickle.dumps({b"data": good[b"data"]}))
+        return batch.name, ["lacks", "labels"]
+    if how == "not a dict":
+        batch.write_bytes(pickle.dumps([1, 2, 3]))
+        return batch.name, ["lacks", "data"]
+    if how == "counts":
+        batch.write_bytes(pickle.dumps({b"data": good[b"data"], b"labels": good[b"labels"][:-1]}))
+        return batch.name, ["holds 19 labels but 20 images"]
+    if how == "shape":
+        batch.write_bytes(pickle.dumps({b"data": np.zeros((20, 100), np.uint8), b"labels": good[b"labels"]}))
+        return batch.name, ["20 x 100", "3072"]
+    if how == "empty":
+        batch.write_bytes(b"")
+        return batch.name, ["empty"]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how", ["garbage", "truncated", "no labels", "not a dict", "counts", "shape", "empty"]
+)
+def test_a_corrupt_cifar_batch_is_named_with_what_is_wrong(how: str, tmp_path: Path):
+    source = _source("cifar10", tmp_path)
+    name, words = _corrupt_cifar(source.batch_dir(), how)
+    if how == "empty":  # cheap enough for pre-flight
+        with pytest.raises(UserError, match="empty"):
+            source.check()
+    with pytest.raises(UserError) as err:
+        source.load(tmp_path)
+    message = str(err.value)
+    assert str(source.batch_dir() / name) in message and "\n" not in message, message
+    assert all(word in message for word in words), message

@@ -111,12 +111,27 @@ def resolve_root(root: str) -> Path:
     return Path(root).expanduser().resolve()
 
 
-def missing_files_error(name: str, expected: Path, setting_root: str) -> Exception:
+def missing_files_error(
+    name: str, expected: Path, setting_root: str, missing: list[str] | None = None
+) -> Exception:
+    """`missing`: the files that are not there, named when only some are (an interrupted copy)."""
     from ..errors import UserError
 
+    which = f" ({', '.join(missing)} missing)" if missing else ""
     return UserError(
-        f"{name} files not found at {expected} and data.download=false",
+        f"{name} files not found at {expected}{which} and data.download=false",
         setting="data.root",
         fix=f"set data.download=true (needs network), point data.root={setting_root} elsewhere, "
         "or use data=digits (ships with scikit-learn)",
+    )
+
+
+def corrupt_file_error(path: Path, problem: str) -> Exception:
+    """A dataset file that is there but damaged (a cut-off download, another file under its name)."""
+    from ..errors import UserError
+
+    return UserError(
+        f"{path}: {problem}",
+        setting="data.root",
+        fix="delete the file and run with data.download=true to fetch it again, or copy in an intact one",
     )

@@ -14,6 +14,7 @@ Supervision is what keeps a distributed run from hanging or leaking processes:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from types import FrameType
 from typing import Protocol
 
 from ..errors import UserError
-from ..recorder import finish_metrics
+from ..recorder import METRICS_FILE, finish_metrics
 from .heartbeat import Pulse
 
 POLL_S = 0.05
@@ -166,8 +167,7 @@ class Supervisor:
             time.sleep(POLL_S)
         if self.signal_received is not None:
             name = signal.Signals(self.signal_received).name
-            if self.records:
-                finish_metrics(self.run_dir, "interrupted", f"stopped by signal {name}", facts=self.facts)
+            self._finish_metrics("interrupted", f"stopped by signal {name}")
             return 128 + self.signal_received
         if failed is None:
             return 0
@@ -223,9 +223,20 @@ class Supervisor:
                     "ddpexp: a rank on another node may have failed first (see its log there)",
                     file=sys.stderr,
                 )
-        if self.records:
-            finish_metrics(self.run_dir, "failed", f"rank {rank}: {summary}", facts=self.facts)
+        self._finish_metrics("failed", f"rank {rank}: {summary}")
         return UserError.exit_code if user_error else 1
+
+    def _finish_metrics(self, status: str, error: str) -> None:
+        """metrics.json says how the run ended; where it cannot be written (a full disk), the launcher
+        says so once and goes on: the run's exit code and its run dir line matter more."""
+        if not self.records:
+            return
+        try:
+            finish_metrics(self.run_dir, status, error, facts=self.facts)
+        except OSError as exc:
+            problem = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            path = self.run_dir / METRICS_FILE
+            print(f"ddpexp: {problem}: could not record that the run {status} in {path}", file=sys.stderr)
 
     def _root_cause(self) -> tuple[int, str, str, bool]:
         """Which rank failed first, and how ("failed: ...", "stopped by ...", "hung at ..."). A hung
