@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,3 +151,26 @@ def scored_by_single(cwd: Path, run_dir: Path) -> dict[str, Any]:
     )
     assert result.returncode == 0, result
     return metrics(cwd / "eval")["final"]
+
+
+# Float tolerance for "the same weights": sums over ranks, micro-batches or shards in another order
+# than one process adds them.
+TOLERANCE: dict[str, float] = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def assert_close_weights(a: Path, b: Path) -> None:
+    """The two runs' model.pt hold the same tensors within TOLERANCE. A control shows the check can
+    fail: a change of 1e-4 in one element, far less than one SGD step moves it, is caught."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name, value in wa.items():
+        torch.testing.assert_close(value, wb[name], **TOLERANCE, msg=name)
+    name, value = next(iter(wa.items()))
+    nudged = value.clone()
+    nudged.view(-1)[0] += 1e-4
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(nudged, wb[name], **TOLERANCE)

@@ -22,7 +22,7 @@ import pytest
 from ddpexp import checkpoint
 from ddpexp.launch.rendezvous import free_port, port_is_free
 
-from .conftest import QUICK, RESUME, metrics, run_here, same_weights, scalars
+from .conftest import QUICK, RESUME, metrics, run_ddpexp, run_here, same_weights, scalars
 
 pytestmark = pytest.mark.multiproc
 
@@ -503,7 +503,9 @@ def test_a_job_failing_under_submitit_fails_the_sweep_and_says_why(tmp_path: Pat
     """Jobs run by submitit (here its local executor: the machinery Slurm uses) report their failure
     to the command that submitted them: non-zero exit, the job's one-line error, where its logs are."""
     args = ["-m", "hydra/launcher=submitit_local", "optim.lr=0.05,1e10", *QUICK, "trainer.max_steps=5"]
-    result = run_here(tmp_path, *args, "hydra.sweep.dir=sweep")  # lr=1e10: the loss becomes NaN
+    # A process of its own: submitit pickles Hydra's config store, which earlier in-process tests
+    # filled with strategies from tests/ that a job started elsewhere cannot import.
+    result = run_ddpexp(tmp_path, *args, "hydra.sweep.dir=sweep")  # lr=1e10: the loss becomes NaN
     assert result.returncode == 1, result
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("ddpexp: error:")]
     failed = "sweep/optim.lr=10000000000.0"

@@ -19,22 +19,17 @@ from ddpexp import load_model
 from ddpexp.models.mlp import mlp
 from ddpexp.strategies.fsdp import FSDP, FsdpConfig, shard_units
 
-from .conftest import PARITY, RESUME, metrics, run_here, scored_by_single
+from .conftest import (
+    PARITY,
+    RESUME,
+    assert_close_weights,
+    metrics,
+    run_here,
+    scored_by_single,
+    weights,
+)
 
 pytestmark = pytest.mark.multiproc
-
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # reduce-scatter sums in another order than one process does
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def assert_close_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for name, value in wa.items():
-        torch.testing.assert_close(value, wb[name], **TOLERANCE, msg=name)
 
 
 def test_fsdp_trains_like_single_at_the_same_global_batch(parity_sweep: Path, tmp_path: Path):

@@ -17,23 +17,21 @@ from ddpexp.errors import UserError
 from ddpexp.strategies.pipeline import Pipeline, PipelineConfig, StageTimer
 from ddpexp.validate import HostFacts, plan
 
-from .conftest import PARITY, RESUME, metrics, run_here, same_weights, scored_by_single
+from .conftest import (
+    PARITY,
+    RESUME,
+    TOLERANCE,
+    assert_close_weights,
+    metrics,
+    run_here,
+    same_weights,
+    scored_by_single,
+    weights,
+)
 
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # micro-batch gradients summed in another order than one batch's
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 # A BatchNorm-free model with 3 stages (conv, conv, head), small enough for 3 ranks on 2 cores.
 CONV3 = ["model=convnet", "model.batch_norm=false", "model.channels=[4,8]", "data=synthetic"]
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def assert_close_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for name, value in wa.items():
-        torch.testing.assert_close(value, wb[name], **TOLERANCE, msg=name)
 
 
 def assert_bubble(run: Path, *, stages: int, microbatches: int) -> None:

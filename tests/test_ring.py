@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from ddpexp.strategies.naive_allreduce import chunk_bounds, ring_sum
 
-from .conftest import QUICK, metrics, run_here
+from .conftest import QUICK, assert_close_weights, metrics, run_here
 
 pytestmark = pytest.mark.multiproc
 
@@ -109,12 +109,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_trains_like_collective(runs: dict[str, Path], world: int):
-    ring, collective = (
-        torch.load(runs[name] / "model.pt", weights_only=True) for name in (f"ring-{world}", "collective-3")
-    )
-    assert ring.keys() == collective.keys()
-    for name, value in collective.items():
-        torch.testing.assert_close(ring[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert_close_weights(runs[f"ring-{world}"], runs["collective-3"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
