@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,18 +206,25 @@ SHARDING = {  # experiment=sharding's jobs: strategy option -> (strategy, the se
 }
 
 
+def _strategy_preset(name: str) -> tuple[Any, list[list[str]], list[str]]:
+    """A preset that sweeps strategy variants only: (compose, its jobs' overrides, the variants)."""
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand([f"experiment={name}"], multirun=True, compose=comp)
+    assert varying == {"strategy"}
+    options = [o.removeprefix("strategy=") for job in expanded for o in job if o.startswith("strategy=")]
+    return comp, expanded, options
+
+
 @pytest.mark.usefixtures("hydra_conf")
 def test_sharding_preset_runs_each_variant_on_the_same_resnet_and_batch_and_labels_them_apart():
     """Composition only: six jobs, one per strategy variant, ResNet-18 on CIFAR-shaped synthetic data
     at one global batch; the settings each run records (facts.strategy_settings) give six labels."""
     from ddpexp.facts import strategy_settings
 
-    def comp(overrides: list[str]):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
-
-    _, expanded, varying = expand(["experiment=sharding"], multirun=True, compose=comp)
-    assert varying == {"strategy"}
-    options = [o.removeprefix("strategy=") for job in expanded for o in job if o.startswith("strategy=")]
+    comp, expanded, options = _strategy_preset("sharding")
     assert options == list(SHARDING)
     labels = set()
     for job, option in zip(expanded, options, strict=True):
@@ -258,12 +266,7 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
     from ddpexp.preflight import check_job
     from ddpexp.validate import HostFacts
 
-    def comp(overrides: list[str]):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
-
-    _, expanded, varying = expand(["experiment=architectures"], multirun=True, compose=comp)
-    assert varying == {"strategy"}
-    options = [o.removeprefix("strategy=") for job in expanded for o in job if o.startswith("strategy=")]
+    comp, expanded, options = _strategy_preset("architectures")
     assert options == list(ARCHITECTURES)
     host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
     labels = set()

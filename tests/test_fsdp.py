@@ -185,3 +185,23 @@ def test_fsdp_accumulation_reduces_the_gradients_once_per_step(tmp_path: Path):
         counts = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert counts[1] > 0, counts  # the counter does see FSDP's reduce-scatters
         assert counts == {1: counts[1], 2: counts[1], 4: counts[1]}, (rank, counts)
+
+
+def test_fsdp_communication_is_measured_all_gathers_and_reduce_scatters(tmp_path: Path):
+    """trainer.measure_comm counts each unit's all-gathers (the rank's shard) and reduce-scatters (the
+    unit's whole gradient) per step. The MLP's sizes split evenly over 2 ranks (no padding), so with
+    S its parameter bytes: without resharding one all-gather of every unit per step, S/2, plus the
+    reduce-scatters, S; resharding after forward gathers the non-root units again in backward."""
+    sweep = ["-m", "strategy=fsdp", "strategy.reshard_after_forward=false,true", *PARITY, "hydra.sweep.dir=s"]
+    result = run_here(tmp_path, *sweep)
+    assert result.returncode == 0, result
+    keep, reshard = (
+        metrics(tmp_path / "s" / f"strategy.reshard_after_forward={v}")["final"] for v in (False, True)
+    )
+    size = 4 * sum(
+        v.numel() for v in weights(tmp_path / "s" / "strategy.reshard_after_forward=False").values()
+    )
+    assert keep["comm/bytes_per_step"] == pytest.approx(1.5 * size, rel=1e-9)
+    assert 1.5 * size < reshard["comm/bytes_per_step"] <= 2 * size
+    for final in (keep, reshard):
+        assert 0 < final["comm/share"] <= 1 and final["comm/time_per_step_s"] > 0

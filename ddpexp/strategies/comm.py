@@ -4,7 +4,8 @@ DDP (and ddp_mp, zero) wrap their communication hook (DDP's standard averaging a
 compression hook strategy.comm_hook chose) in `timed_hook`, which records, per bucket, the host time
 from the hook's call to the reduction's completion callback, and the bytes of the tensors that hook
 all-reduces for the bucket (the payload each rank contributes, not a ring's 2(W-1)/W wire traffic), so
-compression shows as fewer bytes. naive_allreduce times its own all-reduce calls. Overlapping
+compression shows as fewer bytes. naive_allreduce times its own all-reduce calls. fsdp wraps the
+all-gathers and reduce-scatters of its units (`fsdp.metered_collectives`). Overlapping
 intervals (buckets in flight together) are merged, so the busy time is wall-clock time during which at
 least one reduction was running; with DDP much of it overlaps the backward pass. On CUDA the completion
 callback is when the host learns of completion, so the times are host-observed.
@@ -40,6 +41,19 @@ class CommMeter:
         nbytes = self._bytes
         self._intervals, self._bytes = [], 0
         return busy, nbytes
+
+
+def record_when_done(meter: CommMeter, work: Any, start: float, nbytes: int) -> None:
+    """Record a collective launched at `start` when it completes: now if it ran synchronously (no
+    Work), else from its future's completion callback."""
+    if work is None:
+        meter.record(start, time.perf_counter(), nbytes)
+        return
+
+    def done(f: torch.futures.Future[Any]) -> None:
+        meter.record(start, time.perf_counter(), nbytes)
+
+    work.get_future().then(done)
 
 
 # A function of a DDP GradBucket: the bytes of the tensors a hook all-reduces for it.

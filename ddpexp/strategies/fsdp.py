@@ -23,6 +23,7 @@ may resume under another strategy.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -34,6 +35,7 @@ from torch import nn
 from ..config import StrategyConfig
 from ..errors import UserError
 from . import Strategy, Wrapped, maybe_sync_bn, register
+from .comm import CommMeter, record_when_done
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -122,7 +124,10 @@ class FSDP(Strategy[FsdpConfig]):
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         fsdp: Any = model
-        return Wrapped(module=model, base=model, no_sync=lambda: _no_grad_sync(fsdp), collective_eval=True)
+        meter = metered_collectives(model) if measure_comm else None
+        return Wrapped(
+            module=model, base=model, no_sync=lambda: _no_grad_sync(fsdp), collective_eval=True, comm=meter
+        )
 
     # ------------------------------------------------------------------------- checkpoints
 
@@ -189,3 +194,36 @@ def _no_grad_sync(model: Any) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def metered_collectives(model: nn.Module) -> CommMeter:
+    """Every FSDP unit's all-gathers and reduce-scatters, run as FSDP runs them (torch's default
+    implementations), timed from launch to completion and counted by the payload each rank hands in:
+    its shard for an all-gather, the unit's whole (padded) gradient for a reduce-scatter, the
+    counterpart of the gradient buffer a DDP all-reduce is counted by."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    meter = CommMeter()
+
+    class MeteredAllGather(DefaultAllGather):
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+            start = time.perf_counter()
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+            record_when_done(meter, work, start, input_tensor.numel() * input_tensor.element_size())
+            return work
+
+    class MeteredReduceScatter(DefaultReduceScatter):
+        def __call__(
+            self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+        ) -> Any:
+            start = time.perf_counter()
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            record_when_done(meter, work, start, input_tensor.numel() * input_tensor.element_size())
+            return work
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(MeteredAllGather())
+            module.set_custom_reduce_scatter(MeteredReduceScatter())
+    return meter
