@@ -193,6 +193,10 @@ class TrainerConfig:
     channels_last: bool = False
     # Time the gradient communication (DDP comm hook / around the all-reduces) and log comm/* scalars.
     measure_comm: bool = True
+    # Intra-op CPU threads per process. null: OMP_NUM_THREADS if set, else the cores available to the
+    # job divided by the processes on this host (2 ranks on 2 cores: 1 each), so ranks never
+    # oversubscribe the cores and timings stay comparable. Recorded in metrics.json's facts.
+    threads: int | None = None
     # torch.use_deterministic_algorithms(True) (slower; same results run to run on the same machine).
     deterministic: bool = False
     # A NaN or infinite training loss (checked at log points and epoch ends: no extra host sync).

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import host
 from .launch.heartbeat import Heartbeat
 from .validate import Plan
 
@@ -25,6 +26,17 @@ if TYPE_CHECKING:
 TTY_ENV = "DDPEXP_TTY"
 ATTEMPT_ENV = "DDPEXP_ATTEMPT"
 FAULT_ENV = "DDPEXP_FAULT"
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def intra_op_threads(setting: int | None, processes_on_host: int, env: Mapping[str, str]) -> int:
+    """trainer.threads if set; else OMP_NUM_THREADS if the user set it; else a fair share of the
+    cores: each of the processes on this host gets cores / processes (at least 1)."""
+    if setting is not None:
+        return setting
+    if env.get(THREADS_ENV, "").isdigit() and int(env[THREADS_ENV]) > 0:
+        return int(env[THREADS_ENV])
+    return max(1, host.cpus() // max(1, processes_on_host))
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class RunContext:
     console_is_tty: bool = False  # whether the user's console is a terminal (progress bars)
     fault: str | None = None  # DDPEXP_FAULT: a failure to inject, for tests (ddpexp/faults.py)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)  # progress the launcher watches (hangs)
+    threads: int = 1  # intra-op CPU threads of this process (`intra_op_threads`)
 
     @property
     def device(self) -> torch.device:
@@ -53,7 +66,8 @@ class RunContext:
     @classmethod
     def in_this_process(cls, job: Job) -> RunContext:
         """Rank 0 of 1 in the launching process itself, whatever RANK/WORLD_SIZE it inherited."""
-        return cls.for_process(job, env={k: v for k, v in os.environ.items() if k in (FAULT_ENV, TTY_ENV)})
+        keep = (FAULT_ENV, TTY_ENV, THREADS_ENV)
+        return cls.for_process(job, env={k: v for k, v in os.environ.items() if k in keep})
 
     @classmethod
     def for_process(
@@ -88,4 +102,5 @@ class RunContext:
             console_is_tty=tty,
             fault=env.get(FAULT_ENV),
             heartbeat=heartbeat or Heartbeat(),
+            threads=intra_op_threads(job.cfg.trainer.threads, job.plan.nprocs_per_node, env),
         )

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import strategies, tasks
+from . import host, strategies, tasks
 from .context import RunContext
 from .data import Splits
 from .job import Job
@@ -69,6 +69,10 @@ def run_facts(
         "train_samples": len(splits.train.dataset),  # type: ignore[arg-type]
         "eval_samples": len(splits.eval.dataset),  # type: ignore[arg-type]
         "job_started_at": ctx.job_started_at,
+        "threads": torch.get_num_threads(),  # intra-op threads per process (trainer.threads)
+        "host_cpus": host.cpus(),
+        "load_avg_start": job.load_at_start,  # 1-minute load average as the job started
+        "gpu_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None,
         "torch": torch.__version__,
         "host": platform.node(),
     }

@@ -43,6 +43,7 @@ class Job:
     run_dir: Path
     choices: dict[str, str] = field(default_factory=dict)  # config-group options picked, e.g. model=convnet
     started_at: float = 0.0  # when this job started (epoch seconds): its clock for time-to-first-step
+    load_at_start: float | None = None  # the host's 1-minute load average then, before our processes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +52,7 @@ class Job:
             "run_dir": str(self.run_dir),
             "choices": self.choices,
             "started_at": self.started_at,
+            "load_at_start": self.load_at_start,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -65,6 +67,7 @@ class Job:
             run_dir=Path(d["run_dir"]),
             choices=d["choices"],
             started_at=d.get("started_at", 0.0),
+            load_at_start=d.get("load_at_start"),
         )
 
     def save(self) -> None:
@@ -73,7 +76,7 @@ class Job:
         atomic_write_text(self.run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(d["config"])))
         atomic_write_text(
             self.run_dir / PLAN_FILE,
-            json.dumps({k: d[k] for k in ("plan", "choices", "started_at")}, indent=2),
+            json.dumps({k: d[k] for k in ("plan", "choices", "started_at", "load_at_start")}, indent=2),
         )
 
     @classmethod

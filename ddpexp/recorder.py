@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import host
 from .fsutil import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -248,6 +249,8 @@ class Recorder(NullRecorder):
     def close(self, status: str, error: str | None = None) -> None:
         self.metrics["status"] = status
         self.metrics["wall_s"] = time.time() - self.metrics["started_at"]
+        # How the job ended and how busy the host was then (the report warns on a load change).
+        self.metrics["facts"].update(job_ended_at=time.time(), load_avg_end=host.load_average())
         if error:
             self.metrics["error"] = error
         self._write_metrics()

@@ -5,6 +5,7 @@ and launches it. Used by the command line and by the in-process API alike; neith
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition, fsutil
+from . import composition, fsutil, host
 from .errors import UserError
 from .recorder import METRICS_FILE
 
@@ -155,6 +156,7 @@ def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
         multirun = hc.mode == RunMode.MULTIRUN
         plan = check_job(cfg, HostFacts.probe(), external=external, multirun=multirun, run_dir_checked=True)
         job = Job(cfg=cfg, plan=plan, run_dir=run_dir, choices=choices, started_at=started_at)
+        job = dataclasses.replace(job, load_at_start=host.load_average())  # before our processes start
         job.save()
         return Outcome(run_dir=run_dir, exit_code=launch.run(job))
     except UserError as exc:

@@ -252,6 +252,7 @@ def _check_sizes(cfg: DictConfig) -> None:
         "trainer.eval_batch_size": t.eval_batch_size,
         "dist.nprocs": cfg.dist.nprocs,
         "dist.hang_timeout_s": cfg.dist.hang_timeout_s,
+        "trainer.threads": t.threads,
     }
     require_positive(positive, optional_positive)
     if t.max_steps is not None and t.max_steps < 0:

@@ -88,7 +88,8 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # ddpexp's default rule (trainer.threads=null): the host's cores shared out among the ranks.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     torch.manual_seed(0)
     model = make_model(args.model, args.hidden).to(device)
     if world > 1:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ddpexp
+from ddpexp import host
 
 from .conftest import PARITY, QUICK, REPO, metrics, run_here
 
@@ -35,6 +36,24 @@ def test_run_returns_the_result_of_a_job_run_in_this_process(single_run: ddpexp.
     assert single_run.final["step"] == 5 and single_run.facts["strategy"] == "single"
     assert single_run.best_value == single_run.best["eval/acc"]
     assert (single_run.run_dir / "model.pt").exists() and (single_run.run_dir / "config.yaml").exists()
+
+
+def test_threads_per_process_are_a_fair_share_of_the_cores_unless_set():
+    from ddpexp.context import intra_op_threads
+
+    cpus = host.cpus()
+    assert intra_op_threads(None, 1, {}) == cpus
+    assert intra_op_threads(None, 2 * cpus, {}) == 1  # never 0
+    assert intra_op_threads(None, 2, {}) == max(1, cpus // 2)
+    assert intra_op_threads(None, 2, {"OMP_NUM_THREADS": "3"}) == 3  # the user's environment
+    assert intra_op_threads(5, 2, {"OMP_NUM_THREADS": "3"}) == 5  # trainer.threads wins
+
+
+def test_an_in_process_run_uses_trainer_threads_and_gives_the_process_its_threads_back(tmp_path: Path):
+    before = torch.get_num_threads()
+    result = ddpexp.run([*PARITY, "trainer.threads=3", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert result.facts["threads"] == 3 and result.facts["host_cpus"] == host.cpus()
+    assert torch.get_num_threads() == before
 
 
 def test_load_model_gives_the_trained_plain_module(single_run: ddpexp.Result):

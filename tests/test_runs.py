@@ -139,6 +139,12 @@ def test_strategy_facts(parity_sweep: Path):
     assert facts["ddp_mp"]["devices_per_process"] == 2 and facts["ddp_mp"]["world_size"] == 2
     assert facts["naive_allreduce"]["replicas"] == 2 and facts["naive_allreduce"]["backend"] == "gloo"
     assert facts["single"]["backend"] is None
+    # Fair use of the cores: processes on the host x threads per process never exceed the cores.
+    cpus = facts["single"]["host_cpus"]
+    assert facts["single"]["threads"] == cpus and facts["ddp"]["threads"] == max(1, cpus // 2)
+    for f in facts.values():
+        assert f["job_started_at"] <= f["job_ended_at"] and f["load_avg_start"] is not None
+        assert f["load_avg_end"] is not None
 
 
 def test_init_and_start_methods_train_to_the_same_parameters_as_env(parity_sweep: Path, tmp_path: Path):

@@ -37,13 +37,20 @@ def run(job: Job) -> int:
 
 
 def run_inprocess(job: Job) -> int:
+    import torch
+
     from ..context import RunContext
     from .supervise import error_file, sigterm_raises
     from .worker import execute, run_guarded
 
     ctx = RunContext.in_this_process(job)
-    with sigterm_raises():
-        code = run_guarded(lambda: execute(job, ctx), ctx)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(ctx.threads)  # given back after the run: this process may be a notebook's
+    try:
+        with sigterm_raises():
+            code = run_guarded(lambda: execute(job, ctx), ctx)
+    finally:
+        torch.set_num_threads(threads)
     path = error_file(job.run_dir, 0)
     if code not in (0, 130, 143) and path.exists():
         record = json.loads(path.read_text())

@@ -94,11 +94,10 @@ def configure_process(ctx: RunContext, *, console: bool) -> None:
     root.setLevel(logging.INFO)
     # A launcher that finds this rank hung asks for its stack (every thread) in the rank's log.
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
+    import torch
 
-        # Ranks on one node share its cores; oversubscribing them slows every rank down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.plan.nprocs_per_node))
+    # Ranks on one node share its cores; oversubscribing them slows every rank down.
+    torch.set_num_threads(ctx.threads)
 
 
 class _RankFilter(logging.Filter):

@@ -1,0 +1,22 @@
+"""What the host looks like right now: cores this process may use, and how busy they are. Recorded in
+metrics.json's facts so that the report can tell a clean measurement from one taken on a busy machine."""
+
+from __future__ import annotations
+
+import os
+
+
+def cpus() -> int:
+    """The cores this process may run on (its affinity mask: a Slurm or taskset limit counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS keeps none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
