@@ -82,19 +82,20 @@ def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: P
         assert f"| {job} |" in text and job in stdout
     for png in ("acc_vs_time.png", "loss_vs_step.png", "throughput.png", "scaling.png"):
         assert (preset_sweep / png).stat().st_size > 5000
-    runs = {r.name: r for r in report.find_runs([preset_sweep])}
-    table = {row[0]: row for row in report.rows(list(runs.values()), 0.5)}
+    (group,) = report.group_runs(report.find_runs([preset_sweep]))  # one model, data and global batch
+    table = {cells[0]: dict(zip(report.COLUMNS, cells, strict=True)) for cells in report.table(group, 0.5)}
+    assert table["strategy=single"]["vs baseline"] == "baseline"  # single, even where dp is faster
     for job in JOBS:
         m = metrics(preset_sweep / job)
         row = table[job]
-        assert row[5] == f"{100 * m['final']['eval/acc']:.2f}%"
-        assert row[6] == f"{100 * m['best']['eval/acc']:.2f}%"
+        assert row["final"] == f"{100 * m['final']['eval/acc']:.2f}%"
+        assert row["best"] == f"{100 * m['best']['eval/acc']:.2f}%"
         per_epoch = [e.value for e in _accumulator(preset_sweep / job).Scalars("perf/samples_per_s")]
         assert [h["perf/samples_per_s"] for h in m["history"]] == pytest.approx(per_epoch, rel=1e-6)
-        assert row[8] == f"{sum(per_epoch[1:]) / len(per_epoch[1:]):,.0f}"
+        assert row["samples/s"] == f"{sum(per_epoch[1:]) / len(per_epoch[1:]):,.0f}"
         if job == "strategy=ddp":
             shares = [e.value for e in _accumulator(preset_sweep / job).Scalars("comm/share")]
-            assert row[11] == f"{100 * sum(shares) / len(shares):.2f}%"
+            assert row["comm share"] == f"{100 * sum(shares) / len(shares):.2f}%"
             assert 0 < shares[-1] < 1 and m["final"]["comm/bytes_per_step"] > 0
 
 
