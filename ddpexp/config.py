@@ -20,6 +20,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from .commbench.settings import CommbenchConfig
+
 
 class InitMethod(StrEnum):
     env = "env"  # MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE from the environment (torchrun's way)
@@ -237,6 +239,9 @@ class Config:
     device: Device = Device.auto
     # Seeds model init (identical on every rank), data order and per-rank random streams.
     seed: int = 0
+    # The collective benchmark's settings (python -m ddpexp.commbench, conf/commbench.yaml); null in a
+    # training run. A job whose config has them runs the benchmark in its workers instead of training.
+    commbench: CommbenchConfig | None = None
 
 
 def register_schema() -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 # Listed first, in this order; any other group folder in conf/ (except hydra) follows alphabetically.
 PREFERRED = ("strategy", "model", "data", "optim")
+# conf/ folders that are not training config groups: ddpexp-predict's interconnect profiles.
+NOT_GROUPS = ("hydra", "__pycache__", "interconnect")
 
 USAGE = """\
 ddpexp: compare distributed training strategies on one model, from Hydra configs.
@@ -15,6 +17,7 @@ Usage:
   python -m ddpexp [group=option ...] [key=value ...]      one run
   python -m ddpexp -m strategy=single,ddp [key=value ...]   a sweep (one job per combination)
   torchrun --nproc_per_node=2 -m ddpexp strategy=ddp        as workers of an external launcher
+  python -m ddpexp.commbench [key=value ...]                the collective benchmark (its own --help)
 
 Config groups (pick one option each, e.g. strategy=ddp):
 {groups}
@@ -53,7 +56,7 @@ def help_text(conf_dir: str | None = None) -> str:
 
     root = Path(conf_dir or shipped())
     lines = []
-    folders = [d.name for d in root.iterdir() if d.is_dir() and d.name not in ("hydra", "__pycache__")]
+    folders = [d.name for d in root.iterdir() if d.is_dir() and d.name not in NOT_GROUPS]
     groups = [g for g in PREFERRED if g in folders] + sorted(set(folders) - set(PREFERRED))
     for group in groups:
         options = sorted((root / group).glob("*.yaml"))

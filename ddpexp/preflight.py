@@ -195,6 +195,8 @@ def check_job(
             "a sweep cannot span machines", setting="dist.nnodes", fix="run one job per command on each node"
         )
     joining = cfg.dist.node_rank > 0  # node 0's ports, rendezvous file and run dir: not this machine's
+    if cfg.get("commbench") is not None:  # the collective benchmark: no data, model or optimizer to check
+        return check_benchmark(cfg, p, joining=joining, run_dir=not (multirun or run_dir_checked or joining))
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
@@ -203,12 +205,7 @@ def check_job(
     if info.train_samples is not None and info.eval_samples is not None:
         check_split_sizes(info.train_samples, info.eval_samples, p, cfg)
     model = check_model(cfg.model, info, cfg)
-    if p.launcher == "spawn":
-        check_cpu_processes(cfg, p)
-        check_master_addr(cfg)
-        if not joining:
-            check_port(cfg)
-            check_init_file(cfg)
+    check_launch(cfg, p, joining=joining)
     faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, info))
     from .weights import check_initial, check_resume
 
@@ -218,6 +215,33 @@ def check_job(
     check_initial(cfg.model, model)
     if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume and not joining:
         check_run_dir(Path(cfg.hydra.run.dir))
+    return p
+
+
+def check_launch(cfg: DictConfig, p: Plan, *, joining: bool) -> None:
+    """What self-launching the workers needs from this machine: cores, the address, a free port."""
+    if p.launcher == "spawn":
+        check_cpu_processes(cfg, p)
+        check_master_addr(cfg)
+        if not joining:
+            check_port(cfg)
+            check_init_file(cfg)
+
+
+def check_benchmark(cfg: DictConfig, p: Plan, *, joining: bool, run_dir: bool) -> Plan:
+    """A collective benchmark's job (python -m ddpexp.commbench): its settings, the launch, and a run
+    directory that holds no earlier benchmark (`run_dir`: check it)."""
+    from .commbench import JSON_FILE, settings
+
+    settings.check(cfg.commbench, p)
+    check_launch(cfg, p, joining=joining)
+    if run_dir and "hydra" in cfg and (Path(cfg.hydra.run.dir) / JSON_FILE).exists():
+        raise UserError(
+            f"{cfg.hydra.run.dir} already holds a benchmark's results; running another there would "
+            "overwrite them",
+            setting="hydra.run.dir",
+            fix="choose a new hydra.run.dir",
+        )
     return p
 
 

@@ -17,7 +17,11 @@ from ddpexp.validate import HostFacts, plan
 
 from .fake_data import WRITERS
 
-GROUPS = sorted(p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and not p.name.startswith("_"))
+GROUPS = sorted(  # conf/interconnect holds ddpexp-predict's profiles, not a group of the training config
+    p.name
+    for p in Path(conf_dir()).iterdir()
+    if p.is_dir() and not p.name.startswith("_") and p.name != "interconnect"
+)
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(conf_dir()) / g).glob("*.yaml"))]
 TEXT_MODELS = {"gcnn", "embbag"}
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from ddpexp import load_model
 from ddpexp.models.mlp import mlp
+from ddpexp.predict import predicted_bytes
 from ddpexp.strategies.fsdp import FSDP, FsdpConfig, shard_units
 
 from .conftest import (
@@ -203,6 +204,10 @@ def test_fsdp_communication_is_measured_all_gathers_and_reduce_scatters(tmp_path
     )
     assert keep["comm/bytes_per_step"] == pytest.approx(1.5 * size, rel=1e-9)
     assert 1.5 * size < reshard["comm/bytes_per_step"] <= 2 * size
+    # The cost model (FSDP.communication, what ddpexp-predict uses) counts the same bytes.
+    for v, final in ((False, keep), (True, reshard)):
+        predicted = predicted_bytes(tmp_path / "s" / f"strategy.reshard_after_forward={v}")
+        assert predicted == pytest.approx(final["comm/bytes_per_step"], rel=0.01), v
     for final in (keep, reshard):
         # > 0 only: on a run this short the share can pass 1 (ranks' start-up skew waits in the first
         # collective, counted against rank 0's epoch time; a known limit of comm/share).

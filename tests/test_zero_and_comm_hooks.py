@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from ddpexp import optim
 from ddpexp.config import OptimConfig, OptimizerName, Schedule
+from ddpexp.predict import predicted_bytes
 from ddpexp.strategies import Wrapped
 from ddpexp.strategies.ddp import CommHook, DdpConfig, register_comm_hook
 from ddpexp.strategies.zero import Zero
@@ -75,6 +76,9 @@ def test_zero_trains_like_single_and_shards_only_the_optimizer_state(parity_swee
     assert sum(shards) == full and all(0 < s < full for s in shards), (shards, full)
     # ZeRO moves the same gradients as ddp.
     assert _bytes_per_step(runs["zero"]) == _bytes_per_step(parity_sweep / "strategy=ddp")
+    # The cost model (Zero.communication / DDP.communication, what ddpexp-predict uses) counts them.
+    for run in (runs["zero"], parity_sweep / "strategy=ddp", runs["ddp-bf16"], runs["zero-bf16"]):
+        assert predicted_bytes(run) == pytest.approx(_bytes_per_step(run), rel=0.01), run.name
 
 
 @pytest.mark.multiproc

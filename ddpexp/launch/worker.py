@@ -35,17 +35,29 @@ log = logging.getLogger(__name__)
 
 
 def execute(job: Job, ctx: RunContext, *, url: str | None = None, store: Any = None) -> dict[str, float]:
-    """Join the process group (if the strategy has one), train, leave the group."""
-    from .. import distributed, train
+    """Join the process group (if the strategy has one), run the job (`program`), leave the group."""
+    from .. import distributed
 
     if job.plan.backend is not None:
         distributed.start(ctx, url=url or "env://", timeout_s=job.cfg.dist.timeout_s, store=store)
     try:
-        result = train.run(job, ctx)
+        result = program(job)(job, ctx)
         distributed.finish()
         return result
     finally:
         distributed.stop()
+
+
+def program(job: Job) -> Callable[[Job, RunContext], dict[str, float]]:
+    """What the workers run: training, or the collective benchmark when the job's config has a
+    `commbench` section (python -m ddpexp.commbench)."""
+    if job.cfg.get("commbench") is not None:
+        from ..commbench import bench
+
+        return bench.run
+    from .. import train
+
+    return train.run
 
 
 def run_guarded(fn: Callable[[], object], ctx: RunContext) -> int:

@@ -17,6 +17,8 @@ What the contract covers, in the order a run uses it:
   in each worker      wrap -> Wrapped, build_optimizer
   checkpoints         model_state / load_model_state, optimizer_state / load_optimizer_state: full,
                       unsharded state in plain containers, whatever the strategy holds per rank
+  cost model          communication (what it sends per optimizer step, as `Collective`s) and
+                      compute_share (its share of the step's compute), read by ddpexp.predict
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
-from .comm import CommMeter
+from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -191,6 +193,22 @@ class Strategy(ABC, Generic[C]):
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         optimizer.load_state_dict(state)
+
+    # ------------------------------------------------------------------------- cost model (ddpexp.predict)
+    # Pure: they read shapes from `job.model` (on the meta device) and never communicate. A setting the
+    # model cannot describe (a size that does not split) raises UserError, which the prediction reports
+    # for that size instead of a number.
+
+    def communication(self, settings: C, *, job: Workload) -> list[Collective]:
+        """What this strategy sends in one optimizer step of `job`: the collectives, their bytes and
+        what they may hide behind (see `Collective`). Default: nothing (one process, or a strategy
+        that does not describe its communication: it is then predicted as free)."""
+        return []
+
+    def compute_share(self, settings: C, *, job: Workload) -> float:
+        """The share of one device's compute for the whole global batch that lies on a step's critical
+        path at `job`'s size: 1/world by default (data parallelism, every rank a copy of the model)."""
+        return 1.0 / job.world
 
 
 _REGISTRY: dict[str, Strategy[Any]] = {}

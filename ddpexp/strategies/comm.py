@@ -9,6 +9,10 @@ all-gathers and reduce-scatters of its units (`fsdp.metered_collectives`). Overl
 intervals (buckets in flight together) are merged, so the busy time is wall-clock time during which at
 least one reduction was running; with DDP much of it overlaps the backward pass. On CUDA the completion
 callback is when the host learns of completion, so the times are host-observed.
+
+`Collective` and `Workload` (at the end) are what strategies describe their communication with for the
+cost model (`Strategy.communication`, ddpexp/predict.py): `Collective.counted` is what this module's
+meters count for it, so a prediction compares one for one with a measurement.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class CommMeter:
@@ -123,3 +130,83 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_
         compressed = (n + m) * r
         total += compressed if compressed * min_compression_rate < numel else numel
     return total
+
+
+# ----------------------------------------------------------------------------------------- cost model
+# What a strategy sends per optimizer step, described for the cost model (ddpexp/predict.py, which turns
+# it into time with an interconnect's latency and bandwidth). Each strategy module says what it sends in
+# its `communication` method, next to the code that sends it.
+
+# The operations, named and sized as ddpexp.commbench (and nccl-tests) name and size them.
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv")
+
+
+class Overlap(StrEnum):
+    """What a communication can hide behind: nothing (it runs between compute), the forward pass (FSDP's
+    prefetched all-gathers) or the backward pass (DDP's bucketed all-reduces, FSDP's reduce-scatters)."""
+
+    none = "none"
+    forward = "forward"
+    backward = "backward"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of communication a strategy does in every optimizer step.
+
+    `bytes` is the whole step's traffic of this kind, all `calls` together, sized as commbench sizes
+    one operation (nccl-tests' convention): all_reduce and broadcast the buffer; all_gather the gathered
+    output (W x each rank's shard); reduce_scatter the input each rank reduces; sendrecv what crosses
+    the busiest link (a ring: what each rank sends; a parameter server: every message, through rank 0).
+    `ranks` take part (a sendrecv's cost does not depend on it). `calls` are separate launches, each
+    paying the latency. `counted` is what `comm/bytes_per_step` counts for it (the bytes each rank's
+    meter records, averaged over the ranks; 0 where ddpexp does not meter it), so that a prediction and
+    a measurement compare one for one. `inter_node`: its slowest link runs between machines.
+    """
+
+    what: str
+    op: str
+    bytes: float
+    ranks: int
+    calls: int = 1
+    overlaps: Overlap = Overlap.none
+    counted: float = 0.0
+    inter_node: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise ValueError(f"unknown collective {self.op!r}: one of {', '.join(COLLECTIVE_OPS)}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The job a strategy's cost model describes: the model (on the meta device: shapes, no weights)
+    and the size of the run it is asked about."""
+
+    model: nn.Module
+    devices: int  # in all, every process's
+    world: int  # processes (ranks)
+    nodes: int
+    global_batch: int
+    accumulate: int = 1  # micro-batches per optimizer step
+    device_type: str = "cpu"
+    input_shape: tuple[int, ...] | None = None  # one sample (DataInfo.input_shape)
+    input_dtype: torch.dtype = torch.float32  # token ids: torch.long
+
+    @property
+    def procs_per_node(self) -> int:
+        return max(self.world // max(self.nodes, 1), 1)
+
+    def spans_nodes(self, ranks: int) -> bool:
+        """Whether `ranks` consecutive ranks sit on more than one machine."""
+        return self.nodes > 1 and ranks > self.procs_per_node
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the trained parameters (what a gradient all-reduce carries, uncompressed)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def buffer_bytes_of(model: nn.Module) -> int:
+    """Bytes of the model's buffers (BatchNorm statistics)."""
+    return sum(b.numel() * b.element_size() for b in model.buffers())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config import StrategyConfig
 from ..errors import UserError, require_positive
-from . import Strategy, Wrapped, maybe_sync_bn, register
-from .comm import CommMeter, SentBytes, buffer_bytes, powersgd_bytes, timed_hook
+from . import Strategy, Wrapped, maybe_sync_bn, register, syncbn
+from .comm import (
+    Collective,
+    CommMeter,
+    Overlap,
+    SentBytes,
+    Workload,
+    buffer_bytes,
+    buffer_bytes_of,
+    parameter_bytes,
+    powersgd_bytes,
+    powersgd_elements,
+    timed_hook,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -97,6 +110,72 @@ class DDP(Strategy[DdpConfig]):
     ) -> None:
         warn_powersgd_restarts(wrapped)  # called when training resumes from a checkpoint
         super().load_optimizer_state(wrapped, optimizer, state)
+
+    def communication(self, settings: DdpConfig, *, job: Workload) -> list[Collective]:
+        return ddp_communication(settings, job=job)
+
+
+# DDP's first gradient bucket (the last layers') is capped at 1 MiB when bucket_cap_mb is left at its
+# default (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), the others at 25 MiB.
+FIRST_BUCKET_BYTES = 2**20
+DEFAULT_BUCKET_MB = 25.0
+# PowerSGDState's default: compress a matrix only where that makes it at least 2x smaller.
+POWERSGD_MIN_COMPRESSION = 2.0
+
+
+def ddp_communication(settings: DdpConfig, *, job: Workload) -> list[Collective]:
+    """DDP's communication per optimizer step (shared with ddp_mp and zero), as the meter counts it:
+
+    - the gradient all-reduce: every trained parameter's gradient once per step, in buckets launched as
+      the backward pass makes them ready (so they may hide behind it, except the last bucket's). Bytes
+      as `register_comm_hook` sends them: fp32 (none), half of that (fp16/bf16), or PowerSGD's after its
+      `powersgd_start_iter` uncompressed steps (`powersgd_elements`: P and Q of every matrix it
+      compresses, the rest in full; three all-reduces per bucket; waited for one bucket at a time off
+      NCCL, so there nothing hides behind backward). PowerSGD's own compute (its orthogonalisation)
+      is not communication and is not modelled.
+    - with sync_bn, the BatchNorm statistics' all-reduces (`syncbn.communication`);
+    - the buffers (BatchNorm statistics) broadcast from rank 0 before every forward, where DDP re-sends
+      them (broadcast_buffers: on unless sync_bn); not metered.
+    """
+    model = job.model
+    full = parameter_bytes(model)
+    elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    element_size = full // elements if elements else 4
+    cap = (settings.bucket_cap_mb or DEFAULT_BUCKET_MB) * 2**20
+    first = FIRST_BUCKET_BYTES if settings.bucket_cap_mb is None else cap
+    buckets = 1 + math.ceil(max(full - first, 0) / cap)
+    calls, overlaps, what = buckets, Overlap.backward, "gradient all-reduce (DDP buckets)"
+    sent = float(full)
+    if settings.comm_hook in (CommHook.fp16, CommHook.bf16):
+        sent, what = elements * 2.0, f"gradient all-reduce in {settings.comm_hook.value} (DDP buckets)"
+    elif settings.comm_hook == CommHook.powersgd:
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+        sent = float(
+            powersgd_elements(shapes, settings.powersgd_rank, POWERSGD_MIN_COMPRESSION) * element_size
+        )
+        calls, what = 3 * buckets, f"PowerSGD rank-{settings.powersgd_rank} factors (after its start steps)"
+        if job.device_type != "cuda":
+            overlaps = Overlap.none  # one bucket at a time off NCCL: the backward waits for each
+    spans = job.spans_nodes(job.world)
+    out = [Collective(what, "all_reduce", sent, job.world, calls, overlaps, counted=sent, inter_node=spans)]
+    if settings.sync_bn:
+        out += syncbn.communication(model, job)
+    sync_buffers = (
+        (not settings.sync_bn) if settings.broadcast_buffers is None else settings.broadcast_buffers
+    )
+    buffers = buffer_bytes_of(model)
+    if sync_buffers and buffers:
+        out.append(
+            Collective(
+                "buffer broadcast before each forward (not metered)",
+                "broadcast",
+                float(buffers * job.accumulate),
+                job.world,
+                calls=job.accumulate,
+                inter_node=spans,
+            )
+        )
+    return out
 
 
 def check_settings(settings: DdpConfig) -> None:

@@ -15,7 +15,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UserError, require_positive
 from . import Strategy, Wrapped, maybe_sync_bn, register
-from .ddp import DdpConfig, check_settings, ddp_kwargs, register_comm_hook, warn_powersgd_restarts
+from .comm import Collective, Workload
+from .ddp import (
+    DdpConfig,
+    check_settings,
+    ddp_communication,
+    ddp_kwargs,
+    register_comm_hook,
+    warn_powersgd_restarts,
+)
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -70,6 +78,21 @@ class DdpMp(Strategy[DdpMpConfig]):
         warn_powersgd_restarts(wrapped)  # called when training resumes from a checkpoint
         super().load_optimizer_state(wrapped, optimizer, state)
 
+    def communication(self, settings: DdpMpConfig, *, job: Workload) -> list[Collective]:
+        """ddp's over the processes, plus the activations (forward) and their gradients (backward)
+        that cross from each device to the next inside a process, once per micro-batch and boundary,
+        one after the other (the parts run in turn, no pipelining). Not metered."""
+        out = ddp_communication(settings, job=job)
+        if settings.stages < 2:
+            return out
+        micro = job.global_batch / job.accumulate / job.world
+        sizes = boundary_bytes(group(model_stages(job.model), settings.stages), job, micro)
+        hops = 2 * (settings.stages - 1) * job.accumulate
+        what = "activations and their gradients between a process's devices (not metered)"
+        if not sizes:
+            what += "; their size unknown: latency only"
+        return [*out, Collective(what, "sendrecv", float(hops * max(sizes, default=0)), 2, calls=hops)]
+
 
 def model_stages(model: nn.Module) -> list[nn.Module]:
     """The model's own split into consecutive stages (its `stages()` method), or a clear refusal."""
@@ -111,3 +134,21 @@ def group(stages: list[nn.Module], k: int) -> list[nn.Module]:
             bounds.append(i + 1)
     edges = [0, *bounds, len(stages)]
     return [nn.Sequential(*stages[a:b]) for a, b in itertools.pairwise(edges)]
+
+
+def boundary_bytes(parts: list[nn.Module], job: Workload, samples: float) -> list[int]:
+    """Bytes of the activations each part hands to the next for a micro-batch of `samples`, found by
+    running the parts on the meta device (shapes only). [] where the job's input shape is unknown or
+    the parts do not run on the meta device (the cost model then leaves the activations out)."""
+    if job.input_shape is None or samples < 1:
+        return []
+    sizes = []
+    try:
+        with torch.no_grad():
+            x = torch.empty((round(samples), *job.input_shape), dtype=job.input_dtype, device="meta")
+            for part in parts[:-1]:
+                x = part(x)
+                sizes.append(x.numel() * x.element_size())
+    except Exception:  # a model whose forward needs real values: its activations stay unmodelled
+        return []
+    return sizes

@@ -15,6 +15,7 @@ from torch.nn import DataParallel
 from ..config import StrategyConfig
 from ..errors import UserError
 from . import Strategy, Wrapped, register
+from .comm import Collective, Workload, parameter_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -76,3 +77,40 @@ class DP(Strategy[DpConfig]):
             log.warning("dp: no GPU in this run, so DataParallel runs a single replica on the CPU")
             dp = DataParallel(model)  # without GPUs DataParallel simply calls the module
         return Wrapped(module=dp, base=model, eval_module=dp)
+
+    def communication(self, settings: DpConfig, *, job: Workload) -> list[Collective]:
+        """DataParallel's copies inside one process, per micro-batch: the model replicated from the
+        first GPU to the others before the forward (a broadcast of the parameters), the gradients
+        summed back onto it after the backward (a reduce, costed as a broadcast: the same bytes over
+        the same links). The inputs' scatter and the outputs' gather are left out (a batch's inputs
+        are usually far smaller than the model). Nothing hides: the replicas wait for both. On a CPU
+        dp runs one replica and sends nothing."""
+        _one_node(job)
+        if job.device_type != "cuda" or job.devices < 2:
+            return []
+        size = float(parameter_bytes(job.model) * job.accumulate)
+        return [
+            Collective(
+                "parameters replicated from the first GPU (not metered)",
+                "broadcast",
+                size,
+                job.devices,
+                calls=job.accumulate,
+            ),
+            Collective(
+                "gradients summed onto the first GPU (not metered)",
+                "broadcast",
+                size,
+                job.devices,
+                calls=job.accumulate,
+            ),
+        ]
+
+    def compute_share(self, settings: DpConfig, *, job: Workload) -> float:
+        _one_node(job)
+        return 1.0 / job.devices if job.device_type == "cuda" else 1.0
+
+
+def _one_node(job: Workload) -> None:
+    if job.nodes > 1:
+        raise UserError("dp is one process on one machine", setting="nodes", fix="use ddp for several nodes")

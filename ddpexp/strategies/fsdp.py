@@ -23,6 +23,7 @@ may resume under another strategy.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ from torch import nn
 
 from ..config import StrategyConfig
 from ..errors import UserError
-from . import Strategy, Wrapped, maybe_sync_bn, register
-from .comm import CommMeter, record_when_done
+from . import Strategy, Wrapped, maybe_sync_bn, register, syncbn
+from .comm import Collective, CommMeter, Overlap, Workload, record_when_done
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -129,6 +130,60 @@ class FSDP(Strategy[FsdpConfig]):
             module=model, base=model, no_sync=lambda: _no_grad_sync(fsdp), collective_eval=True, comm=meter
         )
 
+    def communication(self, settings: FsdpConfig, *, job: Workload) -> list[Collective]:
+        """Per optimizer step, for every shard unit (the model's blocks, then the root with the rest):
+        one all-gather of its parameters for each micro-batch's forward, again for the backward with
+        reshard_after_forward (the root's too: ddpexp sets the flag explicitly, so torch's exception for
+        the root does not apply), and one reduce-scatter of its gradient on the last micro-batch.
+        Counted as `metered_collectives` counts them: an all-gather by the rank's shard, a
+        reduce-scatter by the unit's whole padded gradient. FSDP2 shards every parameter on dim 0 in
+        ceil(d0/W) rows, padding the last ranks' chunks, so a shard is ceil(d0/W) x the other dims, the
+        gradient W x that; with mixed_precision both travel in 2-byte elements. Forward all-gathers are
+        prefetched behind the previous unit's forward, backward ones and the reduce-scatters behind
+        the backward pass."""
+        world, spans = job.world, job.spans_nodes(job.world)
+        shards = [_shard_bytes(params, world, settings.mixed_precision) for params in _unit_params(job.model)]
+        shards = [b for b in shards if b]  # a unit without parameters has no collectives
+        if not shards or world < 2:
+            return []
+        calls, shard = len(shards), float(sum(shards))
+        gathers = job.accumulate * calls
+        out = [
+            Collective(
+                "parameter all-gather, forward",
+                "all_gather",
+                world * shard * job.accumulate,
+                world,
+                gathers,
+                Overlap.forward,
+                counted=shard * job.accumulate,
+                inter_node=spans,
+            ),
+            Collective(
+                "gradient reduce-scatter",
+                "reduce_scatter",
+                world * shard,
+                world,
+                calls,
+                Overlap.backward,
+                counted=world * shard,
+                inter_node=spans,
+            ),
+        ]
+        if settings.reshard_after_forward:
+            again = Collective(
+                "parameter all-gather again for backward (reshard_after_forward)",
+                "all_gather",
+                world * shard * job.accumulate,
+                world,
+                gathers,
+                Overlap.backward,
+                counted=shard * job.accumulate,
+                inter_node=spans,
+            )
+            out.insert(1, again)
+        return out + (syncbn.communication(job.model, job) if settings.sync_bn else [])
+
     # ------------------------------------------------------------------------- checkpoints
 
     def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
@@ -162,6 +217,24 @@ class FSDP(Strategy[FsdpConfig]):
             _by_name(state, wrapped.base),
             options=StateDictOptions(full_state_dict=True),
         )
+
+
+def _unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters each fully_shard call in `wrap` takes: every shard unit's, then the root's (the
+    rest)."""
+    units = [list(unit.parameters()) for unit in shard_units(model)]
+    taken = {id(p) for params in units for p in params}
+    return [*units, [p for p in model.parameters() if id(p) not in taken]]
+
+
+def _shard_bytes(params: list[nn.Parameter], world: int, mixed: MixedPrecision | None) -> int:
+    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk)."""
+    total = 0
+    for p in params:
+        shape = tuple(p.shape) or (1,)
+        size = 2 if mixed is not None else p.element_size()
+        total += math.ceil(shape[0] / world) * math.prod(shape[1:]) * size
+    return total
 
 
 def _by_index(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from ..config import StrategyConfig
 from ..errors import require_positive
-from . import Strategy, Wrapped, maybe_sync_bn, register
-from .comm import CommMeter
+from . import Strategy, Wrapped, maybe_sync_bn, register, syncbn
+from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -81,6 +81,31 @@ class NaiveAllreduce(Strategy[NaiveAllreduceConfig]):
             sync_grads=averager(params, groups, reduce, meter, ctx.device),
             comm=meter,
         )
+
+    def communication(self, settings: NaiveAllreduceConfig, *, job: Workload) -> list[Collective]:
+        """One reduction per group of `buckets` (a parameter each, or flat buckets), one after the
+        other after the backward pass: nothing hides. `collective`: an all-reduce of every group,
+        counted by its size S. `ring`: `ring_sum`'s 2(W-1) send/recv exchanges per group, each rank
+        sending a 1/W chunk to its neighbour while receiving one, all links busy at once: each rank
+        sends 2(W-1)/W x S, which is what the meter counts and what crosses each link."""
+        world = job.world
+        params = [p for p in job.model.parameters() if p.requires_grad]
+        groups = buckets(params, settings.bucket_cap_mb)
+        size = float(sum(p.numel() * p.element_size() for p in params))
+        spans = job.spans_nodes(world)
+        out = syncbn.communication(job.model, job) if settings.sync_bn else []
+        if world < 2:
+            return out
+        if settings.algorithm == Algorithm.ring:
+            sent = 2 * (world - 1) / world * size
+            what = "ring all-reduce after backward (ddpexp's send/recv)"
+            calls = 2 * (world - 1) * len(groups)
+            return [Collective(what, "sendrecv", sent, 2, calls, counted=sent, inter_node=spans), *out]
+        what = "gradient all-reduce after backward, one group at a time"
+        return [
+            Collective(what, "all_reduce", size, world, len(groups), counted=size, inter_node=spans),
+            *out,
+        ]
 
 
 # Sums a flat buffer over the ranks, in place; returns the bytes this rank counts (see the docstring).

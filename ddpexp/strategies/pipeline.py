@@ -45,8 +45,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from ..config import StrategyConfig
 from ..errors import UserError, require_positive
 from . import MakeOptimizer, Strategy, Wrapped, register
-from .comm import CommMeter
-from .ddp_mp import group, model_stages
+from .comm import Collective, CommMeter, Workload
+from .ddp_mp import boundary_bytes, group, model_stages
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -164,6 +164,55 @@ class Pipeline(Strategy[PipelineConfig]):
     def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
         return make(_runner(wrapped).part.parameters())  # this stage's parameters only
 
+    # ------------------------------------------------------------------------- cost model
+
+    def compute_share(self, settings: PipelineConfig, *, job: Workload) -> float:
+        """Each stage computes 1/p of its replica's batch (1/replicas of the global batch), in m
+        micro-batches, and the schedule takes m + p - 1 micro-batch slots (forward, then backward): the
+        textbook bubble (p - 1)/(m + p - 1) of idle slots. Assumes equal stages."""
+        p, m = settings.stages, settings.microbatches
+        replicas = _replicas(settings, job.world)
+        return (m + p - 1) / (m * p * replicas)
+
+    def communication(self, settings: PipelineConfig, *, job: Workload) -> list[Collective]:
+        """Activations forward and their gradients backward across the widest stage boundary, one
+        transfer per micro-batch slot of the schedule: 2(m + p - 1) on the critical path, each waited
+        for before the stage computes (no overlap credited); not metered. With replicas, each stage's
+        gradient all-reduced over its replicas after the step, all stages at once (the largest bounds
+        the time), counted as the meter counts it: every rank its stage's bytes, S/p on average."""
+        p, m = settings.stages, settings.microbatches
+        replicas = _replicas(settings, job.world)
+        parts = group(model_stages(job.model), p)
+        micro = job.global_batch / job.accumulate / replicas / m
+        sizes = boundary_bytes(parts, job, micro)
+        slots = 2 * (m + p - 1) * job.accumulate
+        what = "activations and their gradients between stages, per micro-batch slot (not metered)"
+        if not sizes:
+            what += "; their size unknown: latency only"
+        out = [
+            Collective(
+                what,
+                "sendrecv",
+                float(slots * max(sizes, default=0)),
+                2,
+                slots,
+                inter_node=job.spans_nodes(p),
+            )
+        ]
+        if replicas > 1:
+            stage_bytes = [sum(q.numel() * q.element_size() for q in part.parameters()) for part in parts]
+            out.append(
+                Collective(
+                    "each stage's gradient all-reduce over the replicas, after the step",
+                    "all_reduce",
+                    float(max(stage_bytes)),
+                    replicas,
+                    counted=sum(stage_bytes) / p,
+                    inter_node=job.nodes > 1,
+                )
+            )
+        return out
+
     # ------------------------------------------------------------------------- checkpoints
 
     def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
@@ -219,6 +268,17 @@ class Pipeline(Strategy[PipelineConfig]):
                 groups.append({**g, "params": params})
         entries = {local_of[p]: value for p, value in state["state"].items() if p in local_of}
         optimizer.load_state_dict({"state": entries, "param_groups": groups})
+
+
+def _replicas(settings: PipelineConfig, world: int) -> int:
+    """The replicas `world` processes make of `stages`-stage pipelines (a whole number, or a refusal)."""
+    if world % settings.stages:
+        raise UserError(
+            f"{world} processes do not make whole pipelines of {settings.stages} stages",
+            setting="devices",
+            fix=f"use a multiple of strategy.stages={settings.stages}",
+        )
+    return world // settings.stages
 
 
 class StageRunner(nn.Module):

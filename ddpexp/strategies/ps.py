@@ -85,7 +85,7 @@ from .. import distributed
 from ..config import StrategyConfig
 from ..errors import UserError
 from . import MakeOptimizer, Strategy, Wrapped, register
-from .comm import CommMeter
+from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -174,6 +174,43 @@ class ParameterServer(Strategy[PsConfig]):
             node.optimizer = make(wrapped.base.parameters())
             return node.optimizer
         return RemoteOptimizer(node.flat.params, lr=float(make.kwargs.get("lr", 0.0)), step=node.step)
+
+    def communication(self, settings: PsConfig, *, job: Workload) -> list[Collective]:
+        """Every worker's push and pull of the flat buffer (S bytes: the trained parameters and the
+        buffers in the parameters' dtype) per step, all through the server's link, so one after the
+        other: 2(W-1) messages of S per step, whatever W is (the server's link does not grow with W).
+        Workers on the server's node reach it over the intra-node link, the others over the network.
+        Counted as the meter counts them: 2(W-1)/W x S per rank. Async mode puts the same messages
+        through the same link per step; that a worker's compute may overlap other workers' messages
+        is not credited (modelled as sync)."""
+        world = job.world
+        if world < 2:
+            raise UserError(
+                "a parameter server needs at least 2 processes", setting="devices", fix="predict 2 or more"
+            )
+        params = [p for p in job.model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params) + sum(b.numel() for b in job.model.buffers())
+        size = float(numel * (params[0].element_size() if params else 4))
+        local = min(job.procs_per_node, world) - 1  # the workers on the server's node
+        out = []
+        for workers, inter in ((local, False), (world - 1 - local, True)):
+            if workers:
+                where = "other nodes, over the network" if inter else "the server's node"
+                out.append(
+                    Collective(
+                        f"pushes and pulls of {workers} worker(s) on {where}, through the server's link",
+                        "sendrecv",
+                        2 * workers * size,
+                        2,
+                        calls=2 * workers,
+                        counted=2 * workers * size / world,
+                        inter_node=inter,
+                    )
+                )
+        return out
+
+    def compute_share(self, settings: PsConfig, *, job: Workload) -> float:
+        return 1.0 / max(job.world - 1, 1)  # the server computes nothing; W-1 workers split the batch
 
     def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
         wrapped.base.load_state_dict(state)

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..config import StrategyConfig
+from ..errors import UserError
 from . import Strategy, Wrapped, register
+from .comm import Workload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,3 +32,10 @@ class Single(Strategy[SingleConfig]):
     ) -> Wrapped:
         model = model.to(ctx.device)
         return Wrapped(module=model, base=model)
+
+    def compute_share(self, settings: SingleConfig, *, job: Workload) -> float:
+        if job.devices != 1:
+            raise UserError(
+                "single runs on one device", setting="devices", fix="use ddp (or fsdp...) for more"
+            )
+        return 1.0

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .comm import Collective, Workload
+
 
 def convert(model: nn.Module, device_type: str) -> nn.Module:
     """Replace every BatchNorm layer of `model` by its synchronized counterpart (in place)."""
@@ -139,3 +141,25 @@ class _SyncBN(torch.autograd.Function):
             _shape(scale, dy).to(dy.dtype)
         )
         return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+def communication(model: nn.Module, job: Workload) -> list[Collective]:
+    """What synchronized BatchNorm sends per optimizer step (for the cost model): per BatchNorm layer of
+    C channels and per micro-batch, a forward all-reduce of [sum x, sum x^2, count] (3C values) and a
+    backward one of [sum dy, sum dy*xhat] (2C), fp32, each waited for where it stands. Not metered.
+    (torch's CUDA SyncBatchNorm all-gathers instead; its bytes are of the same order.)"""
+    channels = [m.num_features for m in model.modules() if isinstance(m, _BatchNorm)]
+    if not channels or job.world < 2:
+        return []
+    calls = 2 * len(channels) * job.accumulate
+    values = 5 * sum(channels) * job.accumulate
+    return [
+        Collective(
+            f"sync_bn statistics ({len(channels)} layers, forward and backward; not metered)",
+            "all_reduce",
+            float(values * 4),
+            job.world,
+            calls=calls,
+            inter_node=job.spans_nodes(job.world),
+        )
+    ]

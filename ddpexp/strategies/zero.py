@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import MakeOptimizer, Wrapped, register
-from .ddp import DDP, DdpConfig, warn_powersgd_restarts
+from .comm import Collective, Workload, parameter_bytes
+from .ddp import DDP, DdpConfig, ddp_communication, warn_powersgd_restarts
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,25 @@ class Zero(DDP):
         # ZeroRedundancyOptimizer keeps its own shard of the full state and overwrites the entries of
         # the others' with None: give it a copy, not the checkpoint's dict.
         _zero(optimizer).load_state_dict({**state, "state": dict(state["state"])})
+
+    def communication(self, settings: DdpConfig, *, job: Workload) -> list[Collective]:
+        """ddp's (the metered gradient all-reduce, the same bytes), then ZeroRedundancyOptimizer's
+        `_sync_params` after every step: each rank broadcasts the parameters it owns to the others
+        (parameter by parameter, asynchronously, waited for at the end of step()), so every parameter
+        once, in fp32, from its owner: W broadcasts of about S/W each, after the backward pass, nothing
+        to hide behind. Not metered (comm/bytes_per_step counts the all-reduce only)."""
+        world = job.world
+        if world < 2:
+            return ddp_communication(settings, job=job)
+        sync = Collective(
+            "parameter broadcast from each owner after the step (not metered)",
+            "broadcast",
+            float(parameter_bytes(job.model)),
+            world,
+            calls=world,
+            inter_node=job.spans_nodes(world),
+        )
+        return [*ddp_communication(settings, job=job), sync]
 
 
 def _zero(optimizer: torch.optim.Optimizer) -> Any:

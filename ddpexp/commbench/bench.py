@@ -1,0 +1,162 @@
+"""The benchmark in every worker, inside the process group ddpexp's launcher set up: each op at each
+size is first checked (rank-dependent inputs, the exact output every rank must then hold), then timed;
+rank 0 writes the results (commbench.json, commbench.png) and prints the table.
+
+Timing, per op and size: `warmup` untimed calls, a barrier, then `iters` calls back to back on each
+rank (the device synchronised before the clock starts and stops); a rank's time is the mean per
+call, and the time reported is the largest over the ranks (the slowest rank sets the pace of a
+collective). Each measurement beats the heartbeat, so the launcher's hang detection keeps working.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from .. import distributed
+from ..context import RunContext
+from ..job import Job
+from . import SPLIT_OPS, Op, sizes
+from .output import Measurement, write_outputs
+from .settings import CommbenchConfig
+
+log = logging.getLogger(__name__)
+
+# Newer torch names them *_single and deprecates *_tensor; torch 2.6 (the oldest ddpexp supports)
+# has only *_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class WrongResult(RuntimeError):
+    """A collective returned other data than it should: its timings would mean nothing."""
+
+
+def run(job: Job, ctx: RunContext) -> dict[str, float]:
+    """Measure every op at every size on this rank; rank 0 records them. Returns nothing to report
+    (the results are in commbench.json)."""
+    section = OmegaConf.to_object(job.cfg.commbench)
+    assert isinstance(section, CommbenchConfig)
+    settings = section.effective()
+    dtype = getattr(torch, settings.dtype.value)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    measurements: list[Measurement] = []
+    for op in settings.ops:
+        for nbytes in sizes(
+            op,
+            min_bytes=settings.min_bytes,
+            max_bytes=settings.max_bytes,
+            world=ctx.world_size,
+            itemsize=itemsize,
+        ):
+            case = Case.build(op, nbytes // itemsize, ctx=ctx, dtype=dtype)
+            verify(case, op=op, nbytes=nbytes)
+            seconds = time_calls(case.call, warmup=settings.warmup, iters=settings.iters, device=ctx.device)
+            measurements.append(Measurement(op=op, nbytes=nbytes, seconds=seconds, iters=settings.iters))
+            ctx.heartbeat.beat(len(measurements))
+    if ctx.is_main:
+        write_outputs(job, ctx, measurements, settings)
+    return {}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op at one size on this rank: its input filled with a pattern that differs by rank (and, for
+    all_to_all, by destination), the call, the output buffer, and what it must hold afterwards."""
+
+    call: Callable[[], object]
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor
+    expected: torch.Tensor
+    rtol: float = 0.0  # 0: exactly equal
+
+    @classmethod
+    def build(cls, op: Op, elements: int, *, ctx: RunContext, dtype: torch.dtype) -> Case:
+        rank, world, device = ctx.rank, ctx.world_size, ctx.device
+
+        def pattern(tag: int, count: int, start: int = 0) -> torch.Tensor:
+            # Small integers, (1..4) x (tag + 1): a rank or part that arrives in the wrong place shows.
+            # Moved data must arrive exactly; sums are exact in float32 and float64 (far below 2^24).
+            base = torch.arange(start, start + count, device=device) % 4 + 1
+            return (base * (tag + 1)).to(dtype)
+
+        part = elements // world if op in SPLIT_OPS else elements
+        ranks_sum = world * (world + 1) // 2  # sum of (tag + 1) over the ranks
+        # In 16-bit types, partial sums round (at a different place in each algorithm).
+        rtol = world * torch.finfo(dtype).eps if torch.finfo(dtype).bits < 32 else 0.0
+        if op == Op.all_reduce:
+            buffer = pattern(rank, elements)
+            expected = pattern(ranks_sum - 1, elements)
+            return cls(lambda: dist.all_reduce(buffer), (buffer,), buffer, expected, rtol)
+        if op == Op.broadcast:
+            buffer = pattern(rank, elements)
+            return cls(lambda: dist.broadcast(buffer, src=0), (buffer,), buffer, pattern(0, elements))
+        if op == Op.all_gather:
+            source, gathered = pattern(rank, part), torch.empty(elements, dtype=dtype, device=device)
+            expected = torch.cat([pattern(r, part) for r in range(world)])
+            return cls(lambda: _all_gather(gathered, source), (source,), gathered, expected)
+        if op == Op.reduce_scatter:
+            source, mine = pattern(rank, elements), torch.empty(part, dtype=dtype, device=device)
+            expected = pattern(ranks_sum - 1, part, start=rank * part)
+            return cls(lambda: _reduce_scatter(mine, source), (source,), mine, expected, rtol)
+        if op == Op.all_to_all:
+            # Part p of rank r's input goes to rank p: tagged r x W + p, so every (from, to) pair differs.
+            source = torch.cat([pattern(rank * world + p, part) for p in range(world)])
+            received = torch.empty_like(source)
+            expected = torch.cat([pattern(r * world + rank, part) for r in range(world)])
+            return cls(lambda: dist.all_to_all_single(received, source), (source,), received, expected)
+        # sendrecv: to the next rank of the ring, from the previous one.
+        sent, received = pattern(rank, elements), torch.empty(elements, dtype=dtype, device=device)
+
+        def sendrecv() -> None:
+            ops = [
+                dist.P2POp(dist.isend, sent, (rank + 1) % world),
+                dist.P2POp(dist.irecv, received, (rank - 1) % world),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        return cls(sendrecv, (sent,), received, pattern((rank - 1) % world, elements))
+
+
+def verify(case: Case, *, op: Op, nbytes: int) -> None:
+    """One call, and its output compared with what it must be on every rank; then the inputs are
+    zeroed for timing (repeated in-place all-reduces of the pattern would grow without bound)."""
+    case.call()
+    if case.rtol:
+        wrong = not torch.allclose(case.output, case.expected, rtol=case.rtol, atol=0.0)
+    else:
+        wrong = not torch.equal(case.output, case.expected)
+    failed = [rank for rank, bad in enumerate(distributed.gather_objects(wrong)) if bad]
+    if failed:
+        raise WrongResult(
+            f"{op} of {nbytes} bytes gave wrong results on rank(s) {', '.join(map(str, failed))}: "
+            "the backend's collective is broken, so its timings would mean nothing"
+        )
+    for tensor in case.inputs:
+        tensor.zero_()
+
+
+def time_calls(call: Callable[[], object], *, warmup: int, iters: int, device: torch.device) -> float:
+    """Seconds per call: the mean of `iters` calls after a barrier, the slowest rank's."""
+    for _ in range(warmup):
+        call()
+    _synchronize(device)
+    dist.barrier()
+    _synchronize(device)  # NCCL's barrier may return before its kernel has run
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    _synchronize(device)
+    return distributed.all_reduce_max((time.perf_counter() - start) / iters)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

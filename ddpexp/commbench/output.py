@@ -1,0 +1,147 @@
+"""What rank 0 makes of the measurements: the table on the console, commbench.json (the results and
+the fitted alpha-beta model per op; a cost model reads it) and commbench.png (busbw against size).
+
+Bandwidths are in GB/s of 10^9 bytes, as nccl-tests reports them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..context import RunContext
+from ..fsutil import atomic_write_bytes, atomic_write_text
+from ..job import Job
+from . import JSON_FILE, PLOT_FILE, Op, bus_factor, fit_alpha_beta
+from .settings import CommbenchConfig
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Measurement:
+    op: Op
+    nbytes: int
+    seconds: float  # per call: the slowest rank's mean
+    iters: int
+
+
+def results(measurements: list[Measurement], world: int) -> list[dict[str, Any]]:
+    """commbench.json's `results`: one row per op and size."""
+    rows = []
+    for m in measurements:
+        algbw = m.nbytes / m.seconds / GB
+        rows.append(
+            {
+                "op": str(m.op),
+                "bytes": m.nbytes,
+                "time_s": m.seconds,
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * bus_factor(m.op, world),
+                "iters": m.iters,
+            }
+        )
+    return rows
+
+
+def fits(measurements: list[Measurement]) -> dict[str, dict[str, float]]:
+    """commbench.json's `fits`: alpha-beta per op measured at two sizes or more (one size cannot tell
+    latency from bandwidth, so such an op has no fit)."""
+    out = {}
+    for op in dict.fromkeys(m.op for m in measurements):
+        mine = [m for m in measurements if m.op == op]
+        if len({m.nbytes for m in mine}) >= 2:
+            fit = fit_alpha_beta([m.nbytes for m in mine], [m.seconds for m in mine])
+            out[str(op)] = {
+                "alpha_s": fit.alpha_s,
+                "beta_s_per_byte": fit.beta_s_per_byte,
+                "rel_error_mean": fit.rel_error_mean,
+                "rel_error_max": fit.rel_error_max,
+            }
+    return out
+
+
+def write_outputs(
+    job: Job, ctx: RunContext, measurements: list[Measurement], settings: CommbenchConfig
+) -> None:
+    p = job.plan
+    record = {
+        "facts": {
+            "backend": p.backend,
+            "world_size": p.world_size,
+            "nnodes": max(p.world_size // p.nprocs_per_node, 1),
+            "nprocs_per_node": p.nprocs_per_node,
+            "device_type": p.device_type,
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "started_at": job.started_at,
+        },
+        "results": results(measurements, p.world_size),
+        "fits": fits(measurements),
+    }
+    atomic_write_text(ctx.run_dir / JSON_FILE, json.dumps(record, indent=2) + "\n")
+    atomic_write_bytes(ctx.run_dir / PLOT_FILE, plot(record))
+    log.info("%s", table(record, settings))
+
+
+def table(record: dict[str, Any], settings: CommbenchConfig) -> str:
+    """The console's view of commbench.json: every measurement, then the fit of each op."""
+    f = record["facts"]
+    layout = f"{f['nnodes']} node(s) x {f['nprocs_per_node']}"
+    lines = [
+        f"commbench: {f['backend']}, {f['world_size']} ranks ({layout}), {f['device_type']}, "
+        f"{settings.dtype}; time = the slowest rank's mean over {settings.iters} calls "
+        f"(after {settings.warmup} warm-up calls)",
+        f"{'op':<15} {'bytes':>10} {'time_us':>11} {'algbw_GBps':>11} {'busbw_GBps':>11}",
+    ]
+    for r in record["results"]:
+        time_us, algbw, busbw = r["time_s"] * 1e6, r["algbw_GBps"], r["busbw_GBps"]
+        lines.append(f"{r['op']:<15} {r['bytes']:>10} {time_us:>11.1f} {algbw:>11.4f} {busbw:>11.4f}")
+    lines += [
+        "fit: time ~ alpha + bytes x beta, least squares on relative error; 1/beta = the bandwidth the",
+        "largest sizes approach (algbw); rel_err = |fit - time| / time over the sizes measured",
+        f"{'op':<15} {'alpha_us':>10} {'1/beta_GBps':>11} {'rel_err_mean':>12} {'rel_err_max':>11}",
+    ]
+    for op, fit in record["fits"].items():
+        beta = fit["beta_s_per_byte"]
+        bandwidth = f"{1 / beta / GB:>11.4g}" if beta > 0 else f"{'inf':>11}"
+        lines.append(
+            f"{op:<15} {fit['alpha_s'] * 1e6:>10.1f} {bandwidth} {fit['rel_error_mean']:>12.1%} "
+            f"{fit['rel_error_max']:>11.1%}"
+        )
+    return "\n".join(lines)
+
+
+def plot(record: dict[str, Any]) -> bytes:
+    """busbw against size, log-log, one line per op, as PNG bytes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)  # the Agg canvas, without pyplot's global state
+    ax = fig.add_subplot()
+    for op in dict.fromkeys(r["op"] for r in record["results"]):
+        rows = [r for r in record["results"] if r["op"] == op]
+        ax.plot(
+            [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o", markersize=3, label=op
+        )
+    f = record["facts"]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (bytes; nccl-tests' convention per op)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(f"{f['backend']}, {f['world_size']} ranks, {f['device_type']} ({f['host']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
