@@ -206,6 +206,12 @@ class TrainerConfig:
     # null: start fresh. auto: continue from the newest valid checkpoint in the run directory (fresh
     # if none). A path: that checkpoint file (refused if missing or unreadable).
     resume: str | None = None
+    # On SIGTERM, SIGUSR1 or SIGUSR2 (what Slurm and submitit send before preemption or the time
+    # limit): every rank saves a checkpoint at the same step boundary soon after, the run ends
+    # `preempted` with exit code 128 + the signal, and a requeued job (submitit) resumes from it.
+    # null: on under Slurm or submitit, off elsewhere (there SIGTERM stops at once, as Ctrl-C does).
+    # Self-launched and in-process runs only (torchrun stops its workers itself).
+    checkpoint_on_signal: bool | None = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ TTY_ENV = "DDPEXP_TTY"
 ATTEMPT_ENV = "DDPEXP_ATTEMPT"
 FAULT_ENV = "DDPEXP_FAULT"
 THREADS_ENV = "OMP_NUM_THREADS"
+PARENT_PID_ENV = "DDPEXP_PARENT_PID"  # the launcher of a self-launched worker
 
 
 def intra_op_threads(setting: int | None, processes_on_host: int, env: Mapping[str, str]) -> int:
@@ -53,6 +54,7 @@ class RunContext:
     fault: str | None = None  # DDPEXP_FAULT: a failure to inject, for tests (ddpexp/faults.py)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)  # progress the launcher watches (hangs)
     threads: int = 1  # intra-op CPU threads of this process (`intra_op_threads`)
+    job_pid: int | None = None  # the process that runs the job: the launcher, or this one in-process
 
     @property
     def device(self) -> torch.device:
@@ -67,7 +69,8 @@ class RunContext:
     def in_this_process(cls, job: Job) -> RunContext:
         """Rank 0 of 1 in the launching process itself, whatever RANK/WORLD_SIZE it inherited."""
         keep = (FAULT_ENV, TTY_ENV, THREADS_ENV)
-        return cls.for_process(job, env={k: v for k, v in os.environ.items() if k in keep})
+        env = {k: v for k, v in os.environ.items() if k in keep} | {PARENT_PID_ENV: str(os.getpid())}
+        return cls.for_process(job, env=env, heartbeat=Heartbeat.local())
 
     @classmethod
     def for_process(
@@ -103,4 +106,5 @@ class RunContext:
             fault=env.get(FAULT_ENV),
             heartbeat=heartbeat or Heartbeat(),
             threads=intra_op_threads(job.cfg.trainer.threads, job.plan.nprocs_per_node, env),
+            job_pid=int(env[PARENT_PID_ENV]) if PARENT_PID_ENV in env else None,
         )

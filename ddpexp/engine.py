@@ -25,7 +25,7 @@ from . import distributed, memory
 from .config import OnNonFinite, Precision
 from .data.loaders import Loader
 from .errors import UserError
-from .launch.heartbeat import Heartbeat
+from .launch.heartbeat import Heartbeat, Preempted
 from .recorder import NullRecorder
 from .strategies import Wrapped
 from .tasks import Classification, Task
@@ -183,7 +183,11 @@ class Engine:
             if ended:
                 self.pos = Position(epoch=epoch + 1, step=self.step, step_in_epoch=0)
             every = self.s.checkpoint_every_epochs
-            self._checkpoint(values, periodic=(every is not None and (epoch + 1) % every == 0) or last)
+            stop = None if last else self.heartbeat.stop_signal(self.step)  # checkpoint_on_signal
+            periodic = (every is not None and (epoch + 1) % every == 0) or last or stop is not None
+            self._checkpoint(values, periodic=periodic)
+            if stop is not None:
+                raise Preempted(stop, self.step)
             if self._done():
                 break
         return values
@@ -206,7 +210,7 @@ class Engine:
         # The settings read on every step, hoisted out of the loop.
         log_every, eval_every = self.s.log_every_steps, self.s.eval_every_steps
         ckpt_every, on_step, pending = self.s.checkpoint_every_steps, self.on_step, self._pending
-        beat = self.heartbeat.beat
+        beat, stop_signal = self.heartbeat.beat, self.heartbeat.stop_signal
         micro = steps = scored = 0
         wait = 0.0
         start = time.perf_counter()
@@ -237,8 +241,12 @@ class Engine:
             if eval_every and step % eval_every == 0:
                 self.recorder.scalars(step, self.evaluate())
                 self.model.module.train()
-            if ckpt_every and step % ckpt_every == 0 and self.pos.step_in_epoch < steps_per_epoch:
+            mid_epoch = self.pos.step_in_epoch < steps_per_epoch  # an epoch's end saves in fit()
+            stop = stop_signal(step) if mid_epoch and not self._done() else None  # checkpoint_on_signal
+            if mid_epoch and ((ckpt_every and step % ckpt_every == 0) or stop is not None):
                 self._checkpoint({}, periodic=True)
+            if stop is not None:
+                raise Preempted(stop, step)
             if on_step is not None:
                 on_step(step)
             if self._done() or self.pos.step_in_epoch >= steps_per_epoch:

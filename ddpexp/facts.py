@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from . import host, strategies, tasks
 from .context import RunContext
@@ -73,6 +74,7 @@ def run_facts(
         "host_cpus": host.cpus(),
         "load_avg_start": job.load_at_start,  # 1-minute load average as the job started
         "gpu_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None,
+        "sweep_varies": {key: _swept_value(job, key) for key in job.varies},  # the HParams view ticks these
         "torch": torch.__version__,
         "host": platform.node(),
     }
@@ -89,6 +91,20 @@ def strategy_settings(section: Any) -> dict[str, Any]:
         if field.name not in ("name", "module") and value != getattr(defaults, field.name):
             changed[field.name] = value.value if isinstance(value, Enum) else value
     return changed
+
+
+def _swept_value(job: Job, key: str) -> Any:
+    """What a swept override key was in this job: a config group's option (strategy=ddp) or a value."""
+    if key in job.choices:
+        return job.choices[key]
+    value = OmegaConf.select(job.cfg, key)
+    return (
+        value.value
+        if isinstance(value, Enum)
+        else value
+        if isinstance(value, (str, int, float, bool))
+        else str(value)
+    )
 
 
 def _named(choice: str | None, target: str | None) -> str | None:

@@ -4,6 +4,9 @@
     DDPEXP_FAULT=rank1:step5:kill           rank 1 is killed by SIGKILL there (no Python cleanup runs)
     DDPEXP_FAULT=rank0:step10:kill_in_save  rank 0 is SIGKILLed halfway through writing the step-10
                                             checkpoint (needs a checkpoint at that step)
+    DDPEXP_FAULT=rank0:step5:preempt        the job's launcher (the run's own process in-process) gets
+                                            SIGUSR1 there, as from Slurm's --signal: with
+                                            trainer.checkpoint_on_signal the run saves and stops
 
 A fault fires in the first attempt only, so a run with dist.max_restarts (or torchrun --max-restarts)
 shows the recovery. It comes from the environment (read by pre-flight and RunContext), never from the
@@ -13,6 +16,7 @@ a malformed one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -24,7 +28,7 @@ from .errors import UserError
 log = logging.getLogger(__name__)
 
 ENV = "DDPEXP_FAULT"
-ACTIONS = ("raise", "kill", "kill_in_save")
+ACTIONS = ("raise", "kill", "kill_in_save", "preempt")
 _SPEC = re.compile(r"^rank(\d+):step(\d+):(\w+)$")
 
 
@@ -37,6 +41,7 @@ class Fault:
     rank: int
     step: int
     action: str
+    job_pid: int | None = None  # where `preempt` sends its signal
 
     def after_step(self, step: int) -> None:
         """The engine calls this after every optimizer step (and its checkpoint, if one is due)."""
@@ -52,6 +57,9 @@ class Fault:
         log.warning("%s: injecting %s on rank %d at step %d", ENV, self.action, self.rank, self.step)
         if self.action == "raise":
             raise InjectedFault(f"injected fault ({ENV}): rank {self.rank} at step {self.step}")
+        if self.action == "preempt":
+            os.kill(self.job_pid or os.getpid(), signal.SIGUSR1)
+            return
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -114,11 +122,11 @@ class Schedule:
         return steps
 
 
-def for_process(spec: str | None, *, rank: int, attempt: int) -> Fault | None:
+def for_process(spec: str | None, *, rank: int, attempt: int, job_pid: int | None = None) -> Fault | None:
     """The fault this process must inject, if any: its rank is named and this is the first attempt."""
     if not spec or attempt > 0:
         return None
-    fault = parse(spec)
+    fault = dataclasses.replace(parse(spec), job_pid=job_pid)
     if fault.rank != rank:
         return None
     log.warning("%s is set: rank %d will %s at step %d (testing only)", ENV, rank, fault.action, fault.step)

@@ -44,6 +44,8 @@ class Job:
     choices: dict[str, str] = field(default_factory=dict)  # config-group options picked, e.g. model=convnet
     started_at: float = 0.0  # when this job started (epoch seconds): its clock for time-to-first-step
     load_at_start: float | None = None  # the host's 1-minute load average then, before our processes
+    checkpoint_on_signal: bool = False  # trainer.checkpoint_on_signal, resolved where the job starts
+    varies: tuple[str, ...] = ()  # in a sweep, the override keys that differ between its jobs
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,8 @@ class Job:
             "choices": self.choices,
             "started_at": self.started_at,
             "load_at_start": self.load_at_start,
+            "checkpoint_on_signal": self.checkpoint_on_signal,
+            "varies": list(self.varies),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -68,6 +72,8 @@ class Job:
             choices=d["choices"],
             started_at=d.get("started_at", 0.0),
             load_at_start=d.get("load_at_start"),
+            checkpoint_on_signal=d.get("checkpoint_on_signal", False),
+            varies=tuple(d.get("varies", ())),
         )
 
     def save(self) -> None:
@@ -76,7 +82,7 @@ class Job:
         atomic_write_text(self.run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(d["config"])))
         atomic_write_text(
             self.run_dir / PLAN_FILE,
-            json.dumps({k: d[k] for k in ("plan", "choices", "started_at", "load_at_start")}, indent=2),
+            json.dumps({k: v for k, v in d.items() if k not in ("config", "run_dir")}, indent=2),
         )
 
     @classmethod

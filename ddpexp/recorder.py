@@ -18,7 +18,8 @@ TensorBoard tags (x axis = global optimizer step):
   mem/params_mb, mem/grads_mb, mem/optim_state_mb   bytes resident per rank by category, counted from
                       the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
   comm/time_per_step_s, comm/share, comm/bytes_per_step   gradient communication (strategies with any)
-  hparams/*           final/best metrics next to the run's settings in TensorBoard's HParams view
+  hparams/*           the HParams view: settings from the start, status and metrics at the end
+                      (ddpexp/hparams.py)
 
 Scalars logged between epochs are kept in memory and written in one go at the epoch's end, before a
 checkpoint, at close, or once WRITE_EVERY_S has passed: TensorBoard's writer thread serialises and
@@ -170,6 +171,8 @@ class Recorder(NullRecorder):
         self.metrics = new_metrics(facts) | {"started_at": time.time()}
         if resume_step is not None:
             self._continue_metrics(resume_step)
+        else:
+            self._write_hparams_start()
         self._write_metrics()
 
     def _continue_metrics(self, step: int) -> None:
@@ -201,7 +204,8 @@ class Recorder(NullRecorder):
         self.scalars(step, values)
         self._write_scalars()
         self.writer.flush()
-        self.metrics["history"].append({"epoch": epoch, "step": step, **values})
+        job_time = time.time() - (self.metrics["facts"].get("job_started_at") or self.metrics["started_at"])
+        self.metrics["history"].append({"epoch": epoch, "step": step, "job_time_s": job_time, **values})
         self.metrics["final"] = {"epoch": epoch, "step": step, **values}
         if self.best.improves(values.get(self.best.metric), self.metrics["best"].get(self.best.metric)):
             self.metrics["best"] = {"epoch": epoch, "step": step, **values}
@@ -255,57 +259,32 @@ class Recorder(NullRecorder):
             self.metrics["error"] = error
         self._write_metrics()
         self._write_scalars()
-        if status == "completed":
-            self._write_hparams()
+        self._write_hparams_end(status)
         self.writer.close()
 
-    def _write_hparams(self) -> None:
-        """TensorBoard's HParams view: this run's settings -> its final and best metrics, written into
-        the run's own event file (SummaryWriter.add_hparams would open a second, nested run)."""
-        from torch.utils.tensorboard.summary import hparams
+    def _write_hparams_start(self) -> None:
+        """The HParams view's experiment and this run's settings, from the start: running and failed
+        runs show there too (ddpexp/hparams.py)."""
+        from . import hparams
 
-        facts = self.metrics["facts"]
-        settings = {key: _hparam(facts.get(key)) for key in HPARAMS}
-        metric = self.best.metric  # the task's (eval/acc, or eval/mse for regression) unless set
-        name = metric.replace("/", "_")
-        results = {
-            f"hparams/final_{name}": self.metrics["final"].get(metric),
-            f"hparams/best_{name}": self.metrics["best"].get(metric),
-            "hparams/final_eval_loss": self.metrics["final"].get("eval/loss"),
-            "hparams/samples_per_s": self.metrics["final"].get("perf/samples_per_s"),
-        }
-        results = {k: float(v) for k, v in results.items() if v is not None}
-        step = int(self.metrics["final"].get("step", 0))
-        for summary in hparams(settings, results):
+        started = self.metrics["facts"].get("job_started_at") or self.metrics["started_at"]
+        for summary in hparams.start(self.metrics["facts"], self.best.metric, started):
             self.writer._get_file_writer().add_summary(summary)
+
+    def _write_hparams_end(self, status: str) -> None:
+        """The run's status and its metrics in the HParams view (the report's definitions)."""
+        from . import hparams
+
+        results = hparams.results(self.metrics, self.best.metric)
+        step = int(self.metrics["final"].get("step", 0))
+        # At the run's last step: a resumed run's purge drops the status an earlier attempt wrote.
+        self.writer._get_file_writer().add_summary(hparams.end(status, time.time()), global_step=step)
         for tag, value in results.items():
             self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()
 
     def _write_metrics(self) -> None:
         write_metrics(self.run_dir, self.metrics)
-
-
-HPARAMS = (
-    "strategy",
-    "backend",
-    "init_method",
-    "world_size",
-    "nprocs_per_node",
-    "devices_per_process",
-    "global_batch_size",
-    "per_rank_batch_size",
-    "sync_bn",
-    "precision",
-    "accumulate",
-    "model",
-    "data",
-    "task",
-)
-
-
-def _hparam(value: Any) -> str | bool | int | float:
-    return value if isinstance(value, (str, bool, int, float)) else str(value)
 
 
 def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:

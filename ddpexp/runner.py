@@ -10,11 +10,14 @@ import errno
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,6 +48,16 @@ def _sweep_subdir(override_dirname: str, num: int) -> str:
 OmegaConf.register_new_resolver("ddpexp_subdir", _sweep_subdir, replace=True)
 
 
+# Exit codes that stop a sweep: Ctrl-C, SIGTERM, and a run that checkpointed and stopped for a signal.
+STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+SCHEDULER_ENV = ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR")  # under these, checkpoint_on_signal defaults on
+SUBMITIT_SIGNAL_ENV = "SUBMITIT_PREEMPT_SIGNAL"  # submitit's preemption/time-out signal (USR2)
+INTERRUPTED_REMOTE = (
+    "ddpexp: interrupted while waiting for the sweep's jobs: jobs started on this machine got the same "
+    "Ctrl-C and stop; Slurm jobs go on (see squeue, stop them with scancel)"
+)
+
+
 def run_jobs(
     overrides: list[str],
     *,
@@ -66,10 +79,10 @@ def run_jobs(
     here = os.getpid()
 
     def task(cfg: DictConfig) -> float | None:
-        outcome = run_job(cfg, started_at=started_at if not outcomes else time.time())
+        outcome = run_job(cfg, started_at=started_at if not outcomes else time.time(), sweep=multirun)
         outcomes.append(outcome)
         report(outcome)
-        if outcome.exit_code in (130, 143):  # Ctrl-C / SIGTERM stops the whole sweep, not just this job
+        if outcome.exit_code in STOP_CODES:  # Ctrl-C, SIGTERM, a preemption: the whole sweep stops
             raise SystemExit(outcome.exit_code)
         if outcome.exit_code != 0 and os.getpid() != here:  # a remote job: only an exception says so
             raise JobFailed(str(outcome.run_dir), outcome.exit_code, outcome.error)
@@ -87,7 +100,11 @@ def run_jobs(
             assert hydra is not None
             if multirun:
                 with suppress(JobFailed):  # each job's outcome is read back from its run dir below
-                    hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
+                    try:
+                        hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
+                    except KeyboardInterrupt:  # jobs another process runs (submitit): one line
+                        print(INTERRUPTED_REMOTE, file=sys.stderr)
+                        raise SystemExit(130) from None
             else:
                 hydra.run(config_name=config_name, task_function=task, overrides=overrides)
     finally:
@@ -134,7 +151,7 @@ def _logging_restored() -> Iterator[None]:
         root.setLevel(level)
 
 
-def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
+def run_job(cfg: DictConfig, *, started_at: float, sweep: bool = False) -> Outcome:
     """One job: check it again on the machine it runs on, record it, launch it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -152,17 +169,66 @@ def run_job(cfg: DictConfig, *, started_at: float) -> Outcome:
     }
     world = torchrun.world()
     external = ExternalWorld(*world) if world else None
+    on_signal = cfg.trainer.checkpoint_on_signal
+    if on_signal is None:
+        on_signal = external is None and any(k in os.environ for k in SCHEDULER_ENV)
     try:
+        if on_signal:
+            resume_if_preempted(cfg, run_dir)
         multirun = hc.mode == RunMode.MULTIRUN
         plan = check_job(cfg, HostFacts.probe(), external=external, multirun=multirun, run_dir_checked=True)
         job = Job(cfg=cfg, plan=plan, run_dir=run_dir, choices=choices, started_at=started_at)
-        job = dataclasses.replace(job, load_at_start=host.load_average())  # before our processes start
+        # The load before our processes add to it.
+        job = dataclasses.replace(
+            job,
+            load_at_start=host.load_average(),
+            checkpoint_on_signal=on_signal,
+            varies=_varies(hc) if sweep else (),
+        )
         job.save()
-        return Outcome(run_dir=run_dir, exit_code=launch.run(job))
+        requeue = _submitit_requeue() if on_signal else None
+        code = launch.run(job)
+        if requeue is not None and code in STOP_CODES and _status(run_dir) == "preempted":
+            requeue()  # submitit requeues this job (the same overrides, so the same run dir) and exits
+        return Outcome(run_dir=run_dir, exit_code=code)
     except UserError as exc:
         if external is not None:
             torchrun.publish_error(exc)
         return Outcome(run_dir=run_dir, exit_code=UserError.exit_code, error=str(exc))
+
+
+def _varies(hc: Any) -> tuple[str, ...]:
+    """The override keys that differ between a sweep's jobs: pre-flight leaves only those in the
+    job's override_dirname (it excludes the constant ones), which also names its sub-directory."""
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.task if "=" in o]
+    return tuple(k for k in keys if f"{k}=" in hc.job.override_dirname)
+
+
+def resume_if_preempted(cfg: DictConfig, run_dir: Path) -> None:
+    """A job started again in the run dir of a run that checkpointed and stopped for a signal (a
+    requeued Slurm/submitit job) continues it: trainer.resume=auto."""
+    if cfg.trainer.resume is None and _status(run_dir) == "preempted":
+        log.warning("ddpexp: %s was preempted; resuming it from its last checkpoint", run_dir)
+        cfg.trainer.resume = "auto"
+
+
+def _status(run_dir: Path) -> str | None:
+    try:
+        return str(json.loads((run_dir / METRICS_FILE).read_text()).get("status"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _submitit_requeue() -> Callable[[], None] | None:
+    """Under submitit, its handler of the preemption signal, which checkpoints the submission (Hydra's
+    launcher resubmits the same job) and requeues it: called once our run has saved and stopped."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return None
+    signum = getattr(signal, "SIG" + os.environ.get(SUBMITIT_SIGNAL_ENV, "USR2"), signal.SIGUSR2)
+    handler = signal.getsignal(signum)
+    if not callable(handler):
+        return None
+    return lambda: handler(signum, None)
 
 
 def claim_output(directory: Path | None) -> fsutil.Claim | None:

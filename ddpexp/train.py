@@ -66,7 +66,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         started_at=ctx.job_started_at,
         heartbeat=ctx.heartbeat,
     )
-    fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt)
+    fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt, job_pid=ctx.job_pid)
     engine.on_step = fault.after_step if fault else None
     engine.on_checkpoint = keeper = resume.CheckpointKeeper(
         ctx=ctx,
@@ -184,7 +184,8 @@ def fit_and_record(
         recorder.close("interrupted")
         raise
     except BaseException as exc:
-        recorder.close("interrupted" if getattr(exc, "interrupted", False) else "failed", error=repr(exc))
+        status = getattr(exc, "status", "interrupted" if getattr(exc, "interrupted", False) else "failed")
+        recorder.close(status, error=str(exc) if status == "preempted" else repr(exc))
         raise
     recorder.close("completed")
     return result

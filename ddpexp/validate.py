@@ -130,6 +130,12 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
             f"e.g. trainer.batch_size={_round_up(global_batch, shards * acc)}",
         )
     _check_training(cfg, device_type)
+    if cfg.trainer.checkpoint_on_signal and launcher == "torchrun":
+        raise UserError(
+            "torchrun stops its workers itself on a signal, so ddpexp cannot make them save first",
+            setting="trainer.checkpoint_on_signal",
+            fix="launch with python -m ddpexp (dist.nprocs=N) instead of torchrun, or set it to false",
+        )
     eval_global = cfg.trainer.eval_batch_size or global_batch
     result = Plan(
         strategy=strategy.name,

@@ -16,10 +16,11 @@ import torch
 from hydra import compose
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import ddpexp
 from ddpexp import fsutil, report
 from ddpexp.composition import expand
 
-from .conftest import PARITY, metrics, run_here
+from .conftest import PARITY, QUICK, metrics, run_here
 
 SHORT = [
     "data=synthetic",
@@ -409,3 +410,37 @@ def test_distributed_evaluation_equals_single_scoring_the_saved_model(preset_swe
         theirs = metrics(tmp_path / f"eval-{run.name.replace('=', '-')}")["final"]
         assert ours["eval/acc"] == theirs["eval/acc"], run.name
         assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-6, abs=0), run.name
+
+
+def test_hparams_view_shows_what_the_sweep_varies_and_every_run_with_its_status(tmp_path: Path, monkeypatch):
+    """TensorBoard's HParams view, read back with tensorboard's own reader: written at the start (a run
+    that fails still shows, with its status), `differs` (what TensorBoard puts first and ticks) set on
+    what the sweep varies plus strategy, world size and sync_bn only, metrics with the report's
+    definitions."""
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    monkeypatch.chdir(tmp_path)
+    results = ddpexp.sweep([*QUICK, "trainer.max_steps=4", "optim.lr=0.05,1e10", "hydra.sweep.dir=sweep"])
+    by_lr = {r.facts["lr"]: r for r in results}
+    assert by_lr[0.05].status == "completed" and by_lr[1e10].status == "failed"  # NaN loss
+    for lr, result in by_lr.items():
+        acc = _accumulator(result.run_dir)
+        content = acc.PluginTagToContent("hparams")
+        experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+        shown = {h.name for h in experiment.hparam_infos if h.differs}
+        assert shown == {"strategy", "world_size", "sync_bn", "optim.lr"}, shown
+        assert {"backend", "global_batch_size", "model", "threads"} <= {
+            h.name for h in experiment.hparam_infos
+        }
+        start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+        assert (
+            start.hparams["optim.lr"].number_value == lr
+            and start.hparams["strategy"].string_value == "single"
+        )
+        end = metadata.parse_session_end_info_plugin_data(content[metadata.SESSION_END_INFO_TAG])
+        assert end.status == (api_pb2.STATUS_SUCCESS if lr == 0.05 else api_pb2.STATUS_FAILURE)
+    scalars = _accumulator(by_lr[0.05].run_dir).Scalars
+    history = metrics(by_lr[0.05].run_dir)["history"]
+    assert scalars("hparams/samples_per_s")[0].value == pytest.approx(history[-1]["perf/samples_per_s"])
+    assert scalars("hparams/final_eval_acc")[0].value == pytest.approx(history[-1]["eval/acc"])
+    assert scalars("hparams/peak_mem_mb")[0].value == pytest.approx(history[-1]["mem/peak_mb"])

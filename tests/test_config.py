@@ -141,3 +141,15 @@ def test_more_processes_than_gpus_is_refused(overrides: list[str], words: list[s
     with pytest.raises(UserError) as refused:
         plan(cfg, gpu_host)
     assert all(w in str(refused.value) for w in words), str(refused.value)
+
+
+def test_checkpoint_on_signal_under_torchrun_is_refused_with_the_way_out():
+    """torchrun stops its workers itself on SIGTERM, before they could save: refused, not ignored."""
+    from ddpexp.errors import UserError
+    from ddpexp.validate import ExternalWorld
+
+    cfg = compose(config_name="config", overrides=["strategy=ddp", "trainer.checkpoint_on_signal=true"])
+    with pytest.raises(UserError) as refused:
+        plan(cfg, CPU_HOST, external=ExternalWorld(world_size=2, local_world_size=2))
+    assert "trainer.checkpoint_on_signal" in str(refused.value) and "python -m ddpexp" in str(refused.value)
+    plan(cfg, CPU_HOST)  # self-launched: fine

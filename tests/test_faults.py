@@ -9,6 +9,7 @@ is free again, and that what was saved still loads. Failures are injected with D
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddpexp import checkpoint
+from ddpexp import checkpoint, runner
 from ddpexp.launch.rendezvous import free_port, port_is_free
 
 from .conftest import QUICK, RESUME, metrics, run_ddpexp, run_here, same_weights, scalars
@@ -305,6 +306,30 @@ def test_a_restart_resumes_and_ends_identical_to_the_uninterrupted_run(
     assert same_weights(tmp_path / "run", uninterrupted(strategy))
 
 
+def test_sigterm_to_every_process_with_checkpoint_on_signal_saves_then_resumes_identical(
+    tmp_path: Path, uninterrupted
+):
+    """What Slurm does before preempting a job: SIGTERM to every process of it. With
+    trainer.checkpoint_on_signal every rank saves at one step boundary, the run ends `preempted` with
+    exit 143, and the same command with trainer.resume=auto ends identical to an uninterrupted run."""
+    args = ["strategy=ddp", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"]
+    run = Watched(tmp_path, [*args, "trainer.checkpoint_on_signal=true"])
+    run.wait_until_training()
+    for pid in [run.proc.pid, *run.rank_of]:  # the launcher and both ranks
+        os.kill(pid, signal.SIGTERM)
+    code, out, err = run.finish()
+    assert code == 143, err
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    stopped_at = _last_checkpoint_step(tmp_path / "run")
+    assert m["status"] == "preempted" and f"stopped by SIGTERM at step {stopped_at}" in m["error"], m
+    assert 32 < stopped_at < 70 and "with trainer.resume=auto" in out + err
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert metrics(tmp_path / "run")["status"] == "completed"
+    assert same_weights(tmp_path / "run", uninterrupted("ddp"))
+
+
 def test_without_restarts_a_failure_is_final(tmp_path: Path):
     run = Watched(tmp_path, ["strategy=single", *LONG, "trainer.max_steps=20"], fault="rank0:step7:raise")
     code, _out, err = run.finish()
@@ -499,20 +524,63 @@ def test_workers_take_their_job_from_the_launcher_not_from_the_run_dir(tmp_path:
     assert metrics(tmp_path / "run")["final"]["step"] == 3
 
 
-def test_a_job_failing_under_submitit_fails_the_sweep_and_says_why(tmp_path: Path):
-    """Jobs run by submitit (here its local executor: the machinery Slurm uses) report their failure
-    to the command that submitted them: non-zero exit, the job's one-line error, where its logs are."""
+def test_submitit_jobs_requeue_after_preemption_and_a_failing_job_fails_the_sweep(tmp_path: Path):
+    """Jobs run by submitit (here its local executor: the machinery Slurm uses). Both are preempted at
+    step 3 (SIGUSR1, as from Slurm's --signal): each saves, submitit requeues it, and it resumes by
+    itself (checkpoint_on_signal is on under submitit). The good job then ends as if never stopped; the
+    other fails, and the submitting command says so: non-zero exit, its one-line error, its logs."""
     args = ["-m", "hydra/launcher=submitit_local", "optim.lr=0.05,1e10", *QUICK, "trainer.max_steps=5"]
     # A process of its own: submitit pickles Hydra's config store, which earlier in-process tests
     # filled with strategies from tests/ that a job started elsewhere cannot import.
-    result = run_ddpexp(tmp_path, *args, "hydra.sweep.dir=sweep")  # lr=1e10: the loss becomes NaN
-    assert result.returncode == 1, result
+    fault = {"DDPEXP_FAULT": "rank0:step3:preempt"}
+    result = run_ddpexp(tmp_path, *args, "hydra.sweep.dir=sweep", env=fault)
+    assert result.returncode == 1, result  # lr=1e10: the loss becomes NaN
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("ddpexp: error:")]
     failed = "sweep/optim.lr=10000000000.0"
     assert "loss became NaN" in error and f"logs in {failed}/logs" in error, error
     assert f"run dir: {failed}  (exit code 1)" in result.stdout, result
     assert "run dir: sweep/optim.lr=0.05\n" in result.stdout, result
-    assert metrics(tmp_path / "sweep" / "optim.lr=0.05")["status"] == "completed"
+    good = tmp_path / "sweep" / "optim.lr=0.05"
+    m = metrics(good)
+    assert m["status"] == "completed" and m["attempts"] == 2 and m["final"]["step"] == 5, m
+    assert metrics(tmp_path / failed)["attempts"] == 2
+    logs = "".join(p.read_text() for p in (tmp_path / "sweep" / ".submitit").rglob("*_log.out"))
+    requeued = [line for line in logs.splitlines() if line.startswith("submitit") and "Requeued job" in line]
+    assert len(requeued) == 2, logs
+    reference = run_here(tmp_path, *QUICK, "trainer.max_steps=5", "optim.lr=0.05", "hydra.run.dir=ref")
+    assert reference.returncode == 0, reference
+    assert same_weights(good, tmp_path / "ref")
+
+
+def test_ctrl_c_under_submitit_stops_its_local_jobs_and_says_so_in_one_line(tmp_path: Path):
+    """Ctrl-C in a terminal reaches the submitting command and the jobs submitit started on this
+    machine (one process group): exit 130, one line that says where jobs go on (Slurm), nothing left."""
+    args = ["-m", "hydra/launcher=submitit_local", *QUICK, "trainer.epochs=500", "hydra.sweep.dir=sweep"]
+    cmd = [sys.executable, "-m", "ddpexp", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # a terminal's foreground process group
+    deadline = time.time() + 120
+    while not any(m["history"] for m in map(metrics, _run_dirs(tmp_path / "sweep"))):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    # One line of ours. submitit's local executor runs a controller process of its own that prints its
+    # KeyboardInterrupt traceback to the same console (there is none on Slurm); none of it is ddpexp's.
+    lines = err.strip().splitlines()
+    assert lines[0] == runner.INTERRUPTED_REMOTE, err
+    assert not re.search(r'File ".*/ddpexp/[a-z_/]+\.py"', "\n".join(lines[1:])), err  # no frame of ours
+    (run_dir,) = _run_dirs(tmp_path / "sweep")
+    assert metrics(run_dir)["status"] == "interrupted"
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, alive
+
+
+def _run_dirs(sweep: Path) -> list[Path]:
+    return [p.parent for p in sweep.glob("*/metrics.json")]
 
 
 def test_a_stale_rendezvous_file_in_the_run_dir_does_not_block_resume(tmp_path: Path):

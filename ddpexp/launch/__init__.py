@@ -40,14 +40,14 @@ def run_inprocess(job: Job) -> int:
     import torch
 
     from ..context import RunContext
-    from .supervise import error_file, sigterm_raises
+    from .supervise import checkpoint_then_stop, error_file, sigterm_raises
     from .worker import execute, run_guarded
 
     ctx = RunContext.in_this_process(job)
     threads = torch.get_num_threads()
     torch.set_num_threads(ctx.threads)  # given back after the run: this process may be a notebook's
     try:
-        with sigterm_raises():
+        with checkpoint_then_stop(ctx.heartbeat) if job.checkpoint_on_signal else sigterm_raises():
             code = run_guarded(lambda: execute(job, ctx), ctx)
     finally:
         torch.set_num_threads(threads)

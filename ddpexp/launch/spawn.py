@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import StartMethod
-from ..context import ATTEMPT_ENV, TTY_ENV
+from ..context import ATTEMPT_ENV, PARENT_PID_ENV, TTY_ENV
 from ..errors import UserError
 from ..job import Job
 from . import rendezvous
 from .heartbeat import Pulse, shared_cell
 from .supervise import Supervisor, Watch, Worker
 
-PARENT_PID_ENV = "DDPEXP_PARENT_PID"
 INIT_URL_ENV = "DDPEXP_INIT_URL"
 # What the forkserver imports before forking workers: everything a worker needs before it trains.
 PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard"]
@@ -117,7 +116,14 @@ def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
         ]
         hang = cfg.dist.hang_timeout_s
         watch = Watch(hang_s=hang, patience_s=max(cfg.dist.timeout_s, hang)) if hang is not None else None
-        return Supervisor(job.run_dir, workers, facts=job.summary(), records=leads, watch=watch).wait()
+        return Supervisor(
+            job.run_dir,
+            workers,
+            facts=job.summary(),
+            records=leads,
+            watch=watch,
+            checkpoint_on_signal=job.checkpoint_on_signal,
+        ).wait()
     finally:
         if job.plan.init == "file" and leads:
             rendezvous_file.unlink(missing_ok=True)

@@ -25,11 +25,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import UserError
 from ..recorder import METRICS_FILE, finish_metrics
-from .heartbeat import Pulse
+from .heartbeat import STOP_NOW, Heartbeat, Pulse
 
 POLL_S = 0.05
 GRACE_S = 5.0
@@ -62,6 +62,54 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# trainer.checkpoint_on_signal: what Slurm (SIGTERM, --signal=USR1) and submitit (USR2) send.
+CHECKPOINT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+PREEMPT_MARGIN_STEPS = 2  # a rank may finish one more step between the launcher's read and its write
+
+
+@contextlib.contextmanager
+def checkpoint_then_stop(heartbeat: Heartbeat) -> Iterator[None]:
+    """An in-process run with trainer.checkpoint_on_signal: the first such signal asks the engine to
+    save and stop after the step it is in; a second one stops it at once."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if heartbeat.stop_requested:
+            raise Interrupted(128 + signum)
+        at = heartbeat.step + 1
+        heartbeat.request_stop(at, signum)
+        name = signal.Signals(signum).name
+        print(f"ddpexp: {name}: saving a checkpoint after this step, then stopping", file=sys.stderr)
+
+    with _handling(CHECKPOINT_SIGNALS, on_signal):
+        yield
+
+
+@contextlib.contextmanager
+def forward_to_launcher(heartbeat: Heartbeat, launcher_pid: int) -> Iterator[None]:
+    """A self-launched worker with trainer.checkpoint_on_signal: a signal that reaches it (Slurm signals
+    every process of the job) goes to its launcher, which picks one step for every rank to save at. A
+    SIGTERM from the launcher itself, which is stopping the run, ends the worker at once."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if heartbeat.stopping_now():
+            raise Interrupted(128 + signum)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(launcher_pid, signum)
+
+    with _handling((signal.SIGTERM, signal.SIGUSR1), on_signal):
+        yield
+
+
+@contextlib.contextmanager
+def _handling(signals: tuple[int, ...], handler: Any) -> Iterator[None]:
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def error_file(run_dir: Path, rank: int) -> Path:
@@ -100,6 +148,13 @@ class Watch:
 
 
 @dataclass(frozen=True)
+class Preempt:
+    signum: int
+    step: int  # where every rank saves and stops
+    since: float
+
+
+@dataclass(frozen=True)
 class Hang:
     worker: Worker
     step: int
@@ -115,6 +170,7 @@ class Supervisor:
         *,
         records: bool = True,
         watch: Watch | None = None,
+        checkpoint_on_signal: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.workers = workers
@@ -124,9 +180,16 @@ class Supervisor:
         self.signal_received: int | None = None
         self.stopping_since: float | None = None
         self.hang: Hang | None = None
+        self.checkpoint_on_signal = checkpoint_on_signal
+        self.preempt: Preempt | None = None  # a checkpoint-then-stop under way
 
     def wait(self) -> int:
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        caught = (
+            (signal.SIGINT, *CHECKPOINT_SIGNALS)
+            if self.checkpoint_on_signal
+            else (signal.SIGINT, signal.SIGTERM)
+        )
+        handlers = {s: signal.signal(s, self._on_signal) for s in caught}
         try:
             return self._loop()
         finally:
@@ -138,18 +201,39 @@ class Supervisor:
                     w.tee.join(timeout=GRACE_S)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.checkpoint_on_signal and signum in CHECKPOINT_SIGNALS and self.signal_received is None:
+            if self.preempt is None:  # again (Slurm signals every process, workers pass theirs on): once
+                self._checkpoint_then_stop(signum)
+            return
         if self.signal_received is not None:  # second Ctrl-C: no more grace
             self._kill_all(signal.SIGKILL)
         self.signal_received = signum
+
+    def _checkpoint_then_stop(self, signum: int) -> None:
+        """Every rank saves a checkpoint at the same step, a little after the furthest one's, and stops."""
+        pulses = [w.pulse for w in self.workers if w.pulse is not None and w.exit_time is None]
+        if not pulses:
+            self.signal_received = signum
+            return
+        at = max(p.step for p in pulses) + PREEMPT_MARGIN_STEPS
+        for pulse in pulses:
+            pulse.request_stop(at, signum)
+        self.preempt = Preempt(signum=signum, step=at, since=time.time())
+        name = signal.Signals(signum).name
+        print(
+            f"ddpexp: {name}: every rank saves a checkpoint at step {at}, then the run stops", file=sys.stderr
+        )
 
     def _loop(self) -> int:
         failed: Worker | None = None
         while True:
             now = time.time()
+            preempted_code = 128 + self.preempt.signum if self.preempt is not None else None
             for w in self.workers:
                 if w.exit_time is None and w.proc.poll() is not None:
                     w.exit_time = now
-                    if w.proc.returncode != 0 and failed is None and self.signal_received is None:
+                    code = w.proc.returncode
+                    if code not in (0, preempted_code) and failed is None and self.signal_received is None:
                         failed = w
             running = [w for w in self.workers if w.exit_time is None]
             if not running:
@@ -159,8 +243,13 @@ class Supervisor:
                 if self.hang is not None:
                     self._dump_stack(self.hang.worker)
                     failed = self.hang.worker
+            if self.preempt is not None and now - self.preempt.since > self._preempt_patience():
+                self.signal_received = self.preempt.signum  # the checkpoint never came: stop now
             if (failed is not None or self.signal_received is not None) and self.stopping_since is None:
                 self.stopping_since = now
+                for w in self.workers:
+                    if w.pulse is not None:
+                        w.pulse.request_stop(STOP_NOW)  # a worker's SIGTERM handler ends it, not passes it on
                 self._kill_all(signal.SIGTERM)
             if self.stopping_since is not None and now - self.stopping_since > GRACE_S:
                 self._kill_all(signal.SIGKILL)
@@ -169,9 +258,14 @@ class Supervisor:
             name = signal.Signals(self.signal_received).name
             self._finish_metrics("interrupted", f"stopped by signal {name}")
             return 128 + self.signal_received
+        if failed is None and self.preempt is not None and any(w.proc.returncode for w in self.workers):
+            return 128 + self.preempt.signum  # rank 0 said where it saved and how to continue
         if failed is None:
             return 0
         return self._report_failure()
+
+    def _preempt_patience(self) -> float:
+        return self.watch.patience_s if self.watch is not None else 600.0
 
     def _hung(self, running: list[Worker], now: float) -> Hang | None:
         """The rank to blame when some rank's heartbeat has stopped for longer than allowed. Its peers

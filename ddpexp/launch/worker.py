@@ -23,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..context import RunContext
+from ..context import PARENT_PID_ENV, RunContext
 from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..job import Job
-from .heartbeat import Heartbeat
-from .spawn import INIT_URL_ENV, PARENT_PID_ENV, WorkerSpec
-from .supervise import STACK_SIGNAL, Interrupted, error_file, sigterm_raises
+from .heartbeat import Heartbeat, Preempted
+from .spawn import INIT_URL_ENV, WorkerSpec
+from .supervise import STACK_SIGNAL, Interrupted, error_file, forward_to_launcher, sigterm_raises
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ def run_guarded(fn: Callable[[], object], ctx: RunContext) -> int:
     try:
         fn()
         return 0
+    except Preempted as exc:
+        log.warning("ddpexp: %s", exc)
+        return exc.code
     except Interrupted as exc:
         return exc.code
     except KeyboardInterrupt:
@@ -205,9 +208,11 @@ def forked_main(spec: WorkerSpec) -> None:
 
 def main(job_dict: dict[str, Any], heartbeat: Heartbeat) -> None:
     """A self-launched worker: its job as the launcher handed it over, its heartbeat the launcher's."""
-    exit_with_parent(int(os.environ[PARENT_PID_ENV]))
-    with sigterm_raises():
-        job = Job.from_dict(job_dict)
+    launcher = int(os.environ[PARENT_PID_ENV])
+    exit_with_parent(launcher)
+    job = Job.from_dict(job_dict)
+    signals = forward_to_launcher(heartbeat, launcher) if job.checkpoint_on_signal else sigterm_raises()
+    with signals:
         ctx = RunContext.for_process(job, heartbeat=heartbeat)
         configure_process(ctx, console=ctx.is_main)
         url = os.environ.get(INIT_URL_ENV, "env://")
