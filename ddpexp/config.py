@@ -195,6 +195,9 @@ class TrainerConfig:
     channels_last: bool = False
     # Time the gradient communication (DDP comm hook / around the all-reduces) and log comm/* scalars.
     measure_comm: bool = True
+    # Run each job of a sweep (-m) this many times, same seed, into repeat=0..N-1 sub-directories: the
+    # report shows their median and min-max, so a difference smaller than the spread reads as none.
+    repeats: int = 1
     # Intra-op CPU threads per process. null: OMP_NUM_THREADS if set, else the cores available to the
     # job divided by the processes on this host (2 ranks on 2 cores: 1 each), so ranks never
     # oversubscribe the cores and timings stay comparable. Recorded in metrics.json's facts.
@@ -245,6 +248,8 @@ class Config:
     device: Device = Device.auto
     # Seeds model init (identical on every rank), data order and per-rank random streams.
     seed: int = 0
+    # Which of trainer.repeats' runs this job is (set by ddpexp; the report pools the repeats).
+    repeat: int = 0
     # The collective benchmark's settings (python -m ddpexp.commbench, conf/commbench.yaml); null in a
     # training run. A job whose config has them runs the benchmark in its workers instead of training.
     commbench: CommbenchConfig | None = None

@@ -64,6 +64,8 @@ def run_facts(
         "resumed_from": str(resumed) if resumed else None,
         "loader": loader,
         "seed": cfg.seed,
+        "repeat": cfg.repeat,  # of trainer.repeats
+        "repeats": cfg.trainer.repeats,
         "parameters": sum(t.numel() for t in model.parameters()),
         "data_fingerprint": splits.fingerprint,
         "vocab_size": splits.info.vocab_size,

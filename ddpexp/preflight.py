@@ -47,6 +47,7 @@ def preflight(
             setting="-m",
             fix="run one job per torchrun command, or self-launch the sweep",
         )
+    overrides = with_repeats(overrides, multirun=multirun)
     with composition.composer(config_name) as compose:
         overrides, jobs, varying = composition.expand(overrides, multirun=multirun, compose=compose)
         dropped = replaced_settings(jobs, compose)
@@ -83,6 +84,27 @@ def preflight(
     constant = sorted({composition.override_key(o) for o in jobs[0]} - varying)
     exclude = [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(constant)}]"] if constant else []
     return Checked(overrides + exclude, output_dir=output_dir)
+
+
+def with_repeats(overrides: list[str], *, multirun: bool) -> list[str]:
+    """trainer.repeats=N: every job N times, as a sweep over `repeat` (0..N-1)."""
+    given = [o for o in overrides if o.split("=", 1)[0] == "trainer.repeats"]
+    if not given:
+        return overrides
+    value = given[-1].split("=", 1)[1]
+    if not value.isdigit():
+        raise UserError(
+            f"{value!r} is not a number of runs",
+            setting="trainer.repeats",
+            fix="give one whole number, e.g. trainer.repeats=3 (sweep other settings, not this one)",
+        )
+    if int(value) > 1 and not multirun:
+        raise UserError(
+            f"repeats {value} runs, a sweep",
+            setting="trainer.repeats",
+            fix=f"add -m: python -m ddpexp -m ... trainer.repeats={value}",
+        )
+    return [*overrides, f"repeat=range(0,{value})"] if int(value) > 1 else overrides
 
 
 def _pinned_output_dir(cfg: DictConfig, *, multirun: bool) -> tuple[list[str], Path | None]:

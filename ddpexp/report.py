@@ -102,6 +102,7 @@ OVERLAP_TOLERANCE_S = 1.0
 # Facts that differ between repeats of one configuration (the job's own clock and load readings).
 PER_RUN_FACTS = frozenset(
     {"seed", "repeat", "job_started_at", "job_ended_at", "load_avg_start", "load_avg_end", "resumed_from"}
+    | {"sweep_varies"}  # this job's values of what the sweep varies: the run's name has them
 )
 REPEAT_KEYS = ("seed=", "repeat=", "+repeat=", "+seed=")
 
@@ -852,16 +853,54 @@ def colours(groups: list[Group]) -> dict[str, Any]:
     return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
 
 
-def plots(groups: list[Group], out: Path, *, target: float) -> list[Path]:
+def plots(
+    groups: list[Group], out: Path, *, target: float, predicted: Callable[[Group], Predicted] | None = None
+) -> list[Path]:
     palette = colours(groups)
     title = context_line([run for group in groups for row in group.rows for run in row.runs])
     figures = {
         "acc_vs_time.png": accuracy_figure(groups, palette=palette, title=title, target=target),
         "loss_vs_step.png": loss_figure(groups, palette=palette, title=title),
         "throughput.png": throughput_figure(groups, palette=palette, title=title),
-        "scaling.png": scaling_figure(groups, palette=palette, title=title),
+        "scaling.png": scaling_figure(groups, palette=palette, title=title, predicted=predicted),
     }
     return [_save(fig, out / name) for name, fig in figures.items() if fig is not None]
+
+
+def prediction(source: str) -> Callable[[Group], Predicted]:
+    """Each group's predicted curves (ddpexp/predict.py): every strategy label of the group, from the
+    group's baseline run, at 1 to max(4, the most devices measured) devices. A strategy the model cannot
+    predict from that run is left out with a warning on stdout."""
+    from .errors import UserError
+    from .predict import predict_curve
+
+    bench = source if source.endswith(".json") else None
+    profile = None if bench else source
+
+    def curves(group: Group) -> Predicted:
+        if group.baseline is None:
+            return {}
+        base = group.baseline.runs[0]
+        devices = list(range(1, max(4, *(row.devices for row in group.rows)) + 1))
+        out: dict[str, list[tuple[int, float]]] = {}
+        for row in group.rows:
+            if row is group.baseline or row.label in out:
+                continue
+            settings = [f"{k}={_setting(v)}" for k, v in (row.facts.get("strategy_settings") or {}).items()]
+            try:
+                out[row.label] = predict_curve(
+                    base.path,
+                    devices,
+                    interconnect=profile,
+                    commbench=bench,
+                    strategy=row.facts.get("strategy"),
+                    settings=settings,
+                )
+            except UserError as exc:
+                print(f"warning: no prediction for {row.label}: {exc}")
+        return out
+
+    return curves
 
 
 def plot_scaling(
@@ -957,12 +996,17 @@ def throughput_figure(groups: list[Group], *, palette: dict[str, Any], title: st
 
 
 def scaling_figure(
-    groups: list[Group], *, palette: dict[str, Any], title: str, predicted: Predicted | None = None
+    groups: list[Group],
+    *,
+    palette: dict[str, Any],
+    title: str,
+    predicted: Predicted | Callable[[Group], Predicted] | None = None,
 ) -> Any | None:
     """Scaling efficiency against devices, one panel per group that has a baseline and either several
     device counts or predictions; error bars from the repeats' min-max samples/s. `predicted`
     ({strategy label: [(devices, efficiency), ...]}, e.g. from a cost model) is drawn as dashed lines
-    in the strategy's colour on every panel: pass the groups it was predicted for."""
+    in the strategy's colour on every panel: pass the groups it was predicted for; or a function
+    giving each group's own (`--predict`)."""
     predicted = predicted or {}
     shown = [
         g
@@ -974,7 +1018,8 @@ def scaling_figure(
     fig, axes = _figure(len(shown), title, "Scaling efficiency vs devices")
     for group, ax in zip(shown, axes, strict=True):
         ticks = _plot_measured(group, ax, palette)
-        for label, points in sorted(predicted.items()):
+        curves = predicted(group) if callable(predicted) else predicted
+        for label, points in sorted(curves.items()):
             devices, efficiency = zip(*sorted(points), strict=True) if points else ((), ())
             colour = palette.get(label, "black")
             ax.plot(devices, efficiency, ls="--", marker="x", color=colour, label=f"{label} (predicted)")
@@ -1077,6 +1122,14 @@ def main(argv: list[str] | None = None) -> None:
         "or a run's name (default: each group's `single` run)",
     )
     parser.add_argument(
+        "--predict",
+        default=None,
+        metavar="PROFILE|commbench.json",
+        help="scaling.png also shows ddpexp-predict's curves for each strategy of a group, from the "
+        "group's single run and this interconnect (conf/interconnect: localhost_gloo, nvlink4, ib400...) "
+        "or commbench result",
+    )
+    parser.add_argument(
         "--format",
         choices=("md", "csv", "json"),
         default="md",
@@ -1097,7 +1150,8 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or args.dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs, baseline=args.baseline)
-    images = plots(groups, out, target=args.target)
+    predicted = prediction(args.predict) if args.predict else None
+    images = plots(groups, out, target=args.target, predicted=predicted)
     path = out / f"report.{args.format}"
     if args.format == "md":
         text = render_markdown(groups, dirs=args.dirs, target=args.target, images=images)

@@ -260,6 +260,7 @@ def _check_sizes(cfg: DictConfig) -> None:
         "dist.hang_timeout_s": cfg.dist.hang_timeout_s,
         "trainer.threads": t.threads,
     }
+    positive["trainer.repeats"] = t.repeats
     require_positive(positive, optional_positive)
     if t.max_steps is not None and t.max_steps < 0:
         raise UserError(

@@ -22,6 +22,7 @@ REFUSALS = [
     (["checkpoint.best_metric=eval/mse"], ["checkpoint.best_metric", "eval/mse", "eval/acc"]),
     (["task.topk=1"], ["task.topk", "2 or more"]),
     (["trainer.threads=0"], ["trainer.threads", "must be"]),
+    (["trainer.repeats=3"], ["trainer.repeats", "add -m"]),
     (["task=nosuch"], ["task", "nosuch", "classification"]),
     (["--epochs", "3"], ["--epochs is not an option", "key=value", "trainer.epochs=3"]),
     (["strategy=ddp", "backend='cpu:gloo,cuda:nccl'"], ["backend", "NCCL", "CPU", "backend=gloo"]),

@@ -74,7 +74,10 @@ def test_one_tensorboard_run_per_job_with_scalars_and_hparams(preset_sweep: Path
 def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: Path):
     script = Path(sys.executable).parent / "ddpexp-report"  # the console script users run
     proc = subprocess.run(
-        [str(script), str(preset_sweep), "--target", "0.5"], capture_output=True, text=True, timeout=120
+        [str(script), str(preset_sweep), "--target", "0.5", "--predict", "localhost_gloo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     stdout = proc.stdout
@@ -98,6 +101,11 @@ def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: P
             shares = [e.value for e in _accumulator(preset_sweep / job).Scalars("comm/share")]
             assert row["comm share"] == f"{100 * sum(shares) / len(shares):.2f}%"
             assert 0 < shares[-1] < 1 and m["final"]["comm/bytes_per_step"] > 0
+    # --predict: the cost model's curves from the group's single run, for each other strategy.
+    curves = report.prediction("localhost_gloo")(group)
+    assert {"ddp", "ddp +syncbn"} <= curves.keys(), curves
+    assert [d for d, _ in curves["ddp"]] == [1, 2, 3, 4]
+    assert all(0 < efficiency <= 1 for _, efficiency in curves["ddp"])
 
 
 @pytest.mark.multiproc
@@ -444,3 +452,14 @@ def test_hparams_view_shows_what_the_sweep_varies_and_every_run_with_its_status(
     assert scalars("hparams/samples_per_s")[0].value == pytest.approx(history[-1]["perf/samples_per_s"])
     assert scalars("hparams/final_eval_acc")[0].value == pytest.approx(history[-1]["eval/acc"])
     assert scalars("hparams/peak_mem_mb")[0].value == pytest.approx(history[-1]["mem/peak_mb"])
+
+
+def test_repeats_run_each_job_n_times_and_the_report_pools_them(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    results = ddpexp.sweep([*QUICK, "trainer.max_steps=3", "trainer.repeats=3", "hydra.sweep.dir=sweep"])
+    assert sorted(r.facts["repeat"] for r in results) == [0, 1, 2]
+    assert sorted(r.run_dir.name for r in results) == ["repeat=0", "repeat=1", "repeat=2"]
+    assert all(r.status == "completed" and r.facts["seed"] == 0 for r in results)  # the same job again
+    (group,) = report.group_runs(report.find_runs([tmp_path / "sweep"]))
+    (row,) = group.rows
+    assert len(row.runs) == 3
