@@ -28,6 +28,7 @@ from .errors import UserError
 from .launch.heartbeat import Heartbeat, Preempted
 from .recorder import NullRecorder
 from .strategies import Wrapped
+from .strategies.comm import KINDS
 from .tasks import Classification, Task
 
 if TYPE_CHECKING:
@@ -299,9 +300,10 @@ class Engine:
         over ranks, in one small reduction each."""
         comm = self.model.comm.take() if self.model.comm is not None else None
         world = max(distributed.world_size(), 1)
-        local = [wait, comm[0] if comm else 0.0, float(comm[1]) if comm else 0.0]
+        kinds = [float(comm[1][kind]) if comm else 0.0 for kind in KINDS]
+        local = [wait, comm[0] if comm else 0.0, *kinds]
         sums = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device))
-        wait_s, comm_s, comm_bytes = (v / world for v in sums.tolist())
+        wait_s, comm_s, *kind_bytes = (v / world for v in sums.tolist())
         out = {
             "perf/data_wait_frac": wait_s / elapsed if elapsed > 0 else 0.0,
             "mem/peak_mb": self._peak_mb(),
@@ -311,8 +313,11 @@ class Engine:
             out |= {
                 "comm/time_per_step_s": comm_s / max(steps, 1),
                 "comm/share": comm_s / elapsed if elapsed > 0 else 0.0,
-                "comm/bytes_per_step": comm_bytes / max(steps, 1),
+                "comm/bytes_per_step": sum(kind_bytes) / max(steps, 1),
             }
+            # by kind (comm/bytes_per_step/sync_bn...), each only for strategies that send it
+            by_kind = zip(KINDS, kind_bytes, strict=True)
+            out |= {f"comm/bytes_per_step/{k}": b / max(steps, 1) for k, b in by_kind if b}
         if self.model.extra_metrics is not None:
             out |= self.model.extra_metrics()
         return out

@@ -71,6 +71,23 @@ def test_one_tensorboard_run_per_job_with_scalars_and_hparams(preset_sweep: Path
 
 
 @pytest.mark.multiproc
+def test_sync_bn_statistics_are_counted_as_communication_by_kind(preset_sweep: Path):
+    """SyncBN's all-reduces are communication too: counted in comm/bytes_per_step (and its time in
+    comm/share), broken down by kind, and equal to what the cost model says they are."""
+    from ddpexp.predict import predicted_bytes
+
+    sync = metrics(preset_sweep / "strategy=ddp_sync_bn")["final"]
+    plain = metrics(preset_sweep / "strategy=ddp")["final"]
+    assert "comm/bytes_per_step/sync_bn" not in plain
+    assert plain["comm/bytes_per_step/gradients"] == plain["comm/bytes_per_step"]
+    assert sync["comm/bytes_per_step/gradients"] == plain["comm/bytes_per_step"]  # the same gradients
+    assert sync["comm/bytes_per_step/sync_bn"] > 0
+    total = sync["comm/bytes_per_step/gradients"] + sync["comm/bytes_per_step/sync_bn"]
+    assert sync["comm/bytes_per_step"] == pytest.approx(total, rel=1e-12)
+    assert predicted_bytes(preset_sweep / "strategy=ddp_sync_bn") == pytest.approx(total, rel=0.01)
+
+
+@pytest.mark.multiproc
 def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: Path):
     script = Path(sys.executable).parent / "ddpexp-report"  # the console script users run
     proc = subprocess.run(

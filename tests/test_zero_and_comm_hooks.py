@@ -184,7 +184,7 @@ def test_fp16_and_bf16_hooks_round_the_gradients_and_count_half_the_bytes(measur
             assert dtype is None or not torch.equal(p.grad, ref.grad), hook  # it did round
         assert (meter is not None) == measure
         if meter is not None:
-            assert meter.take()[1] == (8 * 4 + 4) * (4 if dtype is None else 2), hook
+            assert meter.take()[1]["gradients"] == (8 * 4 + 4) * (4 if dtype is None else 2), hook
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -204,7 +204,7 @@ def test_powersgd_bytes_are_the_full_buffer_then_p_and_q():
     sent = []
     for _ in range(4):
         ddp(torch.randn(8, 20)).square().sum().backward()
-        sent.append(meter.take()[1])
+        sent.append(meter.take()[1]["gradients"])
         model.zero_grad()
     assert sent == [2892, 2892, 892, 892]
 

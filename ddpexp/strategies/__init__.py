@@ -101,6 +101,10 @@ class Wrapped:
     def __post_init__(self) -> None:
         if self.eval_module is None:
             self.eval_module = self.base
+        if self.comm is not None:
+            from . import syncbn
+
+            syncbn.meter_into(self.base, self.comm)  # the statistics' all-reduces count too
         if self.sync_buffers is None:
             from .. import distributed
 

@@ -27,18 +27,22 @@ from typing import Any
 import torch
 from torch import nn
 
+# What the bytes were: gradients (DDP buckets, reduce-scatters, pushes to a server), parameters
+# (all-gathers, pulls from a server) and synchronized BatchNorm's statistics.
+KINDS = ("gradients", "parameters", "sync_bn")
+
 
 class CommMeter:
     def __init__(self) -> None:
         self._intervals: list[tuple[float, float]] = []
-        self._bytes = 0
+        self._bytes = dict.fromkeys(KINDS, 0)
 
-    def record(self, start: float, end: float, nbytes: int) -> None:
+    def record(self, start: float, end: float, nbytes: int, kind: str = "gradients") -> None:
         self._intervals.append((start, end))
-        self._bytes += nbytes
+        self._bytes[kind] += nbytes
 
-    def take(self) -> tuple[float, int]:
-        """(busy seconds, bytes reduced) since the last call."""
+    def take(self) -> tuple[float, dict[str, int]]:
+        """(busy seconds, bytes by kind) since the last call."""
         busy, reach = 0.0, float("-inf")
         for start, end in sorted(self._intervals):
             if end <= reach:
@@ -46,19 +50,19 @@ class CommMeter:
             busy += end - max(start, reach)
             reach = end
         nbytes = self._bytes
-        self._intervals, self._bytes = [], 0
+        self._intervals, self._bytes = [], dict.fromkeys(KINDS, 0)
         return busy, nbytes
 
 
-def record_when_done(meter: CommMeter, work: Any, start: float, nbytes: int) -> None:
+def record_when_done(meter: CommMeter, work: Any, start: float, nbytes: int, kind: str = "gradients") -> None:
     """Record a collective launched at `start` when it completes: now if it ran synchronously (no
     Work), else from its future's completion callback."""
     if work is None:
-        meter.record(start, time.perf_counter(), nbytes)
+        meter.record(start, time.perf_counter(), nbytes, kind)
         return
 
     def done(f: torch.futures.Future[Any]) -> None:
-        meter.record(start, time.perf_counter(), nbytes)
+        meter.record(start, time.perf_counter(), nbytes, kind)
 
     work.get_future().then(done)
 

@@ -283,7 +283,9 @@ def metered_collectives(model: nn.Module) -> CommMeter:
         def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
             start = time.perf_counter()
             work = super().__call__(output_tensor, input_tensor, group, async_op)
-            record_when_done(meter, work, start, input_tensor.numel() * input_tensor.element_size())
+            record_when_done(
+                meter, work, start, input_tensor.numel() * input_tensor.element_size(), "parameters"
+            )
             return work
 
     class MeteredReduceScatter(DefaultReduceScatter):

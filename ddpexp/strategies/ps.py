@@ -318,7 +318,7 @@ class Server:
             total += box
         self.flat.apply(total.div_(len(self.workers)))
         self.owed = True
-        _record(self.meter, start, len(self.workers) * self.flat.nbytes)  # the pulls that answer them
+        _record(self.meter, start, len(self.workers) * self.flat.nbytes, "parameters")  # the pulls
 
     def _serve(self) -> None:
         """Async: W-1 pushes, each applied as it arrives and answered at once."""
@@ -336,7 +336,7 @@ class Server:
             start = time.perf_counter()
             dist.send(self.flat.values(), src)
             self.pulled[src] = self.version
-            _record(self.meter, start, self.flat.nbytes)
+            _record(self.meter, start, self.flat.nbytes, "parameters")
 
     def sync_buffers(self) -> None:
         """Before evaluation and saves: every rank gets the server's parameters and buffers."""
@@ -459,6 +459,6 @@ def _staleness(seen: list[int]) -> dict[str, float]:
     return {"ps/staleness_mean": total / max(count, 1.0), "ps/staleness_max": top}
 
 
-def _record(meter: CommMeter | None, start: float, nbytes: int) -> None:
+def _record(meter: CommMeter | None, start: float, nbytes: int, kind: str = "gradients") -> None:
     if meter is not None:
-        meter.record(start, time.perf_counter(), nbytes)
+        meter.record(start, time.perf_counter(), nbytes, kind)

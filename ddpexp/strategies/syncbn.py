@@ -15,6 +15,7 @@ outputs, parameter gradients (after gradient averaging) and running statistics.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .comm import Collective, Workload
+from .comm import Collective, CommMeter, Workload
 
 
 def convert(model: nn.Module, device_type: str) -> nn.Module:
@@ -49,8 +50,18 @@ def _convert_cpu(module: nn.Module) -> nn.Module:
     return module
 
 
+def meter_into(model: nn.Module, meter: CommMeter) -> None:
+    """The strategy's communication meter counts the statistics' all-reduces of the model's CPU
+    synchronized BatchNorm layers (comm/bytes_per_step/sync_bn; torch's CUDA one is not metered)."""
+    for module in model.modules():
+        if isinstance(module, CPUSyncBatchNorm):
+            module.meter = meter
+
+
 class CPUSyncBatchNorm(_BatchNorm):
     """BatchNorm over inputs (N, C, *) with statistics all-reduced across the default process group."""
+
+    meter: CommMeter | None = None  # the strategy's, when it measures communication
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -75,6 +86,7 @@ class CPUSyncBatchNorm(_BatchNorm):
             self.running_var if self.training else None,
             self.eps,
             momentum if momentum is not None else 0.0,
+            self.meter,
         )
 
 
@@ -99,11 +111,12 @@ class _SyncBN(torch.autograd.Function):
         running_var: torch.Tensor | None,
         eps: float,
         momentum: float,
+        meter: CommMeter | None,
     ) -> torch.Tensor:
         local_count = x.numel() // x.size(1)
         count = torch.full((1,), float(local_count), dtype=torch.float64, device=x.device)
         stats = torch.cat([_per_channel(x), _per_channel(x * x), count])
-        dist.all_reduce(stats)
+        _all_reduce(stats, meter)
         c = x.size(1)
         total = stats[-1]
         mean = stats[:c] / total
@@ -122,6 +135,7 @@ class _SyncBN(torch.autograd.Function):
         ctx.save_for_backward(xhat, invstd, weight)
         ctx.total = total
         ctx.has_bias = bias is not None
+        ctx.meter = meter
         return out
 
     @staticmethod
@@ -132,7 +146,7 @@ class _SyncBN(torch.autograd.Function):
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
         grad_bias = sum_dy.to(dy.dtype) if ctx.has_bias else None
         both = torch.cat([sum_dy, sum_dy_xhat])
-        dist.all_reduce(both)
+        _all_reduce(both, ctx.meter)
         c = dy.size(1)
         mean_dy = both[:c] / ctx.total
         mean_dy_xhat = both[c:] / ctx.total
@@ -140,26 +154,39 @@ class _SyncBN(torch.autograd.Function):
         grad_x = (dy - _shape(mean_dy, dy).to(dy.dtype) - xhat * _shape(mean_dy_xhat, dy).to(dy.dtype)) * (
             _shape(scale, dy).to(dy.dtype)
         )
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _all_reduce(t: torch.Tensor, meter: CommMeter | None) -> None:
+    start = time.perf_counter()
+    dist.all_reduce(t)
+    if meter is not None:
+        meter.record(start, time.perf_counter(), t.numel() * t.element_size(), kind="sync_bn")
 
 
 def communication(model: nn.Module, job: Workload) -> list[Collective]:
-    """What synchronized BatchNorm sends per optimizer step (for the cost model): per BatchNorm layer of
-    C channels and per micro-batch, a forward all-reduce of [sum x, sum x^2, count] (3C values) and a
-    backward one of [sum dy, sum dy*xhat] (2C), fp32, each waited for where it stands. Not metered.
-    (torch's CUDA SyncBatchNorm all-gathers instead; its bytes are of the same order.)"""
+    """What synchronized BatchNorm sends per optimizer step (for the cost model). On CPU (ours): per
+    BatchNorm layer of C channels and per micro-batch, a forward all-reduce of [sum x, sum x^2, count]
+    (2C+1 float64 values) and a backward one of [sum dy, sum dy*xhat] (2C), each waited for where it
+    stands, metered (comm/bytes_per_step/sync_bn). torch's CUDA SyncBatchNorm all-gathers the
+    statistics instead (fp32, of the same order) and is not metered."""
     channels = [m.num_features for m in model.modules() if isinstance(m, _BatchNorm)]
     if not channels or job.world < 2:
         return []
     calls = 2 * len(channels) * job.accumulate
-    values = 5 * sum(channels) * job.accumulate
+    values = sum(4 * c + 1 for c in channels) * job.accumulate
+    cpu = job.device_type == "cpu"
+    nbytes = float(values * (8 if cpu else 4))
     return [
         Collective(
-            f"sync_bn statistics ({len(channels)} layers, forward and backward; not metered)",
+            f"sync_bn statistics ({len(channels)} layers, forward and backward"
+            + ("" if cpu else "; not metered on CUDA")
+            + ")",
             "all_reduce",
-            float(values * 4),
+            nbytes,
             job.world,
             calls=calls,
+            counted=nbytes if cpu else 0.0,
             inter_node=job.spans_nodes(job.world),
         )
     ]
