@@ -148,17 +148,21 @@ class FSDP(Strategy[FsdpConfig]):
             return []
         calls, shard = len(shards), float(sum(shards))
         gathers = job.accumulate * calls
-        out = [
-            Collective(
-                "parameter all-gather, forward",
+
+        def all_gather(what: str, overlaps: Overlap) -> Collective:
+            return Collective(
+                what,
                 "all_gather",
                 world * shard * job.accumulate,
                 world,
                 gathers,
-                Overlap.forward,
+                overlaps,
                 counted=shard * job.accumulate,
                 inter_node=spans,
-            ),
+            )
+
+        out = [
+            all_gather("parameter all-gather, forward", Overlap.forward),
             Collective(
                 "gradient reduce-scatter",
                 "reduce_scatter",
@@ -171,17 +175,12 @@ class FSDP(Strategy[FsdpConfig]):
             ),
         ]
         if settings.reshard_after_forward:
-            again = Collective(
-                "parameter all-gather again for backward (reshard_after_forward)",
-                "all_gather",
-                world * shard * job.accumulate,
-                world,
-                gathers,
-                Overlap.backward,
-                counted=shard * job.accumulate,
-                inter_node=spans,
+            out.insert(
+                1,
+                all_gather(
+                    "parameter all-gather again for backward (reshard_after_forward)", Overlap.backward
+                ),
             )
-            out.insert(1, again)
         return out + (syncbn.communication(job.model, job) if settings.sync_bn else [])
 
     # ------------------------------------------------------------------------- checkpoints
