@@ -70,7 +70,7 @@ class Watched:
                 pass
             now = time.time()
             for pid, p in self.seen.items():
-                if pid not in self.gone_at and (not p.is_running() or p.status() == psutil.STATUS_ZOMBIE):
+                if pid not in self.gone_at and _gone(p):
                     self.gone_at[pid] = now
             time.sleep(0.05)
 
@@ -123,6 +123,13 @@ class Watched:
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [(p.pid, _cmdline(p)) for p in alive]
         assert port_is_free("127.0.0.1", self.port)
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it went between the two questions
+        return True
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
