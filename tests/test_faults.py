@@ -580,10 +580,10 @@ def test_ctrl_c_under_submitit_stops_its_local_jobs_and_says_so_in_one_line(tmp_
     lines = err.strip().splitlines()
     assert lines[0] == runner.INTERRUPTED_REMOTE, err
     assert not re.search(r'File ".*/ddpexp/[a-z_/]+\.py"', "\n".join(lines[1:])), err  # no frame of ours
+    _, alive = psutil.wait_procs(tree, timeout=10)  # the jobs stop as the command does, not before it
+    assert not alive, alive
     (run_dir,) = _run_dirs(tmp_path / "sweep")
     assert metrics(run_dir)["status"] == "interrupted"
-    _, alive = psutil.wait_procs(tree, timeout=10)
-    assert not alive, alive
 
 
 def _run_dirs(sweep: Path) -> list[Path]:
