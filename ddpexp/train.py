@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -173,6 +177,21 @@ def evaluate_only(engine: Engine, recorder: NullRecorder) -> dict[str, float]:
     return values
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """While the run records how it ended, SIGINT and SIGTERM wait: the run is stopping already, and
+    an interruption halfway through would leave metrics.json saying `running`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def fit_and_record(
     engine: Engine, recorder: NullRecorder, strategy: strategies.Strategy[Any]
 ) -> dict[str, float]:
@@ -181,11 +200,13 @@ def fit_and_record(
         result = engine.fit()
         recorder.save_model(strategy.model_state(engine.model))  # every rank: sharded weights gather
     except KeyboardInterrupt:
-        recorder.close("interrupted")
+        with signals_deferred():  # a second Ctrl-C (a terminal and submitit's controller both send
+            recorder.close("interrupted")  # one) must not cut short the record of the first
         raise
     except BaseException as exc:
         status = getattr(exc, "status", "interrupted" if getattr(exc, "interrupted", False) else "failed")
-        recorder.close(status, error=str(exc) if status == "preempted" else repr(exc))
+        with signals_deferred():
+            recorder.close(status, error=str(exc) if status == "preempted" else repr(exc))
         raise
     recorder.close("completed")
     return result
