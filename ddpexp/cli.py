@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .errors import NothingToDo, UserError
+from .errors import NothingToDo, UserError, interrupted_within
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ddpexp: {done}", flush=True)
         sys.exit(0)
     except UserError as exc:
+        if interrupted_within(exc):  # Ctrl-C left a half-built config whose next error is not the cause
+            raise KeyboardInterrupt from exc
         if world is not None:
             torchrun.publish_error(exc)
         print(f"ddpexp: error: {exc}", file=sys.stderr)

@@ -24,6 +24,19 @@ class UserError(Exception):
         return f"{head} (fix: {self.fix})" if self.fix else head
 
 
+def interrupted_within(exc: BaseException) -> bool:
+    """Whether a Ctrl-C is behind this error: raised while a KeyboardInterrupt unwound (a library's
+    `finally` failing on the state the interrupt left), anywhere down its chain of causes."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class NothingToDo(Exception):
     """The command asks for nothing that is not done already (resume=auto on a completed run): said
     plainly, exit code 0."""

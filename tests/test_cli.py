@@ -400,3 +400,28 @@ def test_console_script_is_installed():
 
     script = Path(sys.executable).parent / "ddpexp"
     assert script.exists() or shutil.which("ddpexp")
+
+
+def test_an_error_raised_while_ctrl_c_unwound_is_the_interrupt_not_a_refusal():
+    """Ctrl-C inside a library's `with` block: its `finally` fails on the half-built state, and
+    pre-flight would report that failure as a bad setting (seen: "model: 'NoneType' object has no
+    attribute '_invalidate_flags_cache'"). The command line treats it as the Ctrl-C it is."""
+    from ddpexp.errors import UserError, interrupted_within
+
+    def refusal_after_interrupt() -> UserError:
+        try:
+            try:
+                raise KeyboardInterrupt
+            finally:
+                raise AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'")
+        except AttributeError as exc:
+            try:
+                raise UserError(str(exc), setting="model") from exc
+            except UserError as refusal:
+                return refusal
+
+    assert interrupted_within(refusal_after_interrupt())
+    try:
+        raise UserError("bad", setting="model") from ValueError("bad")
+    except UserError as plain:
+        assert not interrupted_within(plain)
