@@ -20,6 +20,8 @@ from typing import Any
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 
+from .recorder import steady
+
 TARGET = 0.95  # the report's default --target
 ALWAYS_SHOWN = ("strategy", "world_size", "sync_bn")
 CONTEXT = (  # recorded for every run, shown when ticked by hand
@@ -101,7 +103,7 @@ def results(metrics: dict[str, Any], best_metric: str) -> dict[str, float]:
     history = metrics.get("history", [])
     name = best_metric.replace("/", "_")
     per_epoch = [h["perf/samples_per_s"] for h in history if h.get("perf/samples_per_s") is not None]
-    steady = per_epoch[1:] if len(per_epoch) > 1 else per_epoch
+    kept = steady(per_epoch)
     shares = [h["comm/share"] for h in history if h.get("comm/share") is not None]
     peaks = [h["mem/peak_mb"] for h in history if h.get("mem/peak_mb") is not None]
     reached = [
@@ -113,7 +115,7 @@ def results(metrics: dict[str, Any], best_metric: str) -> dict[str, float]:
         f"hparams/final_{name}": metrics.get("final", {}).get(best_metric),
         f"hparams/best_{name}": metrics.get("best", {}).get(best_metric),
         "hparams/time_to_target_s": reached[0] if reached else None,
-        "hparams/samples_per_s": sum(steady) / len(steady) if steady else None,
+        "hparams/samples_per_s": sum(kept) / len(kept) if kept else None,
         "hparams/comm_share": sum(shares) / len(shares) if shares else None,
         "hparams/peak_mem_mb": max(peaks) if peaks else None,
     }

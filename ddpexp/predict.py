@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .recorder import steady
 from .strategies.comm import COLLECTIVE_OPS, Collective, Overlap, Workload
 
 log = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ class MeasuredRun:
         values = [float(h[key]) for h in self.history if key in h]
         if not values and key in self.final:
             values = [float(self.final[key])]
-        return values[1:] if len(values) > 1 else values
+        return steady(values)
 
     def mean(self, key: str) -> float:
         values = self.epochs(key)

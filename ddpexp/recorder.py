@@ -83,6 +83,13 @@ class Best:
         return best
 
 
+def steady(per_epoch: list[float]) -> list[float]:
+    """Per-epoch values without the first when there are several: the first epoch includes warm-up
+    (compilation, caches, rendezvous skew). The one definition the report's samples/s, the HParams
+    view's and the cost model's per-step numbers share."""
+    return per_epoch[1:] if len(per_epoch) > 1 else per_epoch
+
+
 def new_metrics(facts: dict[str, Any]) -> dict[str, Any]:
     return {"status": "running", "facts": facts, "final": {}, "best": {}, "history": []}
 
@@ -205,7 +212,7 @@ class Recorder(NullRecorder):
         self.scalars(step, values)
         self._write_scalars()
         self.writer.flush()
-        job_time = time.time() - (self.metrics["facts"].get("job_started_at") or self.metrics["started_at"])
+        job_time = time.time() - self._job_start
         self.metrics["history"].append({"epoch": epoch, "step": step, "job_time_s": job_time, **values})
         self.metrics["final"] = {"epoch": epoch, "step": step, **values}
         if self.best.improves(values.get(self.best.metric), self.metrics["best"].get(self.best.metric)):
@@ -253,9 +260,10 @@ class Recorder(NullRecorder):
 
     def close(self, status: str, error: str | None = None) -> None:
         self.metrics["status"] = status
-        self.metrics["wall_s"] = time.time() - self.metrics["started_at"]
+        now = time.time()
+        self.metrics["wall_s"] = now - self.metrics["started_at"]
         # How the job ended and how busy the host was then (the report warns on a load change).
-        self.metrics["facts"].update(job_ended_at=time.time(), load_avg_end=host.load_average())
+        self.metrics["facts"].update(job_ended_at=now, load_avg_end=host.load_average())
         if error:
             self.metrics["error"] = error
         self._write_metrics()
@@ -263,13 +271,17 @@ class Recorder(NullRecorder):
         self._write_hparams_end(status)
         self.writer.close()
 
+    @property
+    def _job_start(self) -> float:
+        """When the job started (spawn and start-up included); the recorder's own start without it."""
+        return float(self.metrics["facts"].get("job_started_at") or self.metrics["started_at"])
+
     def _write_hparams_start(self) -> None:
         """The HParams view's experiment and this run's settings, from the start: running and failed
         runs show there too (ddpexp/hparams.py)."""
         from . import hparams
 
-        started = self.metrics["facts"].get("job_started_at") or self.metrics["started_at"]
-        for summary in hparams.start(self.metrics["facts"], self.best.metric, started):
+        for summary in hparams.start(self.metrics["facts"], self.best.metric, self._job_start):
             self.writer._get_file_writer().add_summary(summary)
 
     def _write_hparams_end(self, status: str) -> None:

@@ -92,7 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from . import fsutil
-from .recorder import METRICS_FILE
+from .recorder import METRICS_FILE, steady
 
 EFFICIENCY_LIMIT = 1.05  # above this, per-device speed grew with the device count: not real
 LOAD_TAU_S = 60.0  # time constant of Linux's 1-minute load average
@@ -137,8 +137,8 @@ class Run:
         per_epoch = self.values("perf/samples_per_s")
         if not per_epoch:
             return None
-        steady = per_epoch[1:] if len(per_epoch) > 1 else per_epoch
-        return sum(steady) / len(steady)
+        kept = steady(per_epoch)
+        return sum(kept) / len(kept)
 
     @property
     def metric(self) -> str:

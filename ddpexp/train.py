@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
-import signal
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,6 +17,7 @@ from .data import DataSource, Splits, build_source, loaders
 from .engine import Engine, LoopSettings
 from .facts import run_facts
 from .job import Job
+from .launch.supervise import signals_ignored
 from .recorder import Best, NullRecorder, Recorder
 from .validate import check_split_sizes
 
@@ -177,21 +174,6 @@ def evaluate_only(engine: Engine, recorder: NullRecorder) -> dict[str, float]:
     return values
 
 
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """While the run records how it ended, SIGINT and SIGTERM wait: the run is stopping already, and
-    an interruption halfway through would leave metrics.json saying `running`."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, lambda signum, frame: None) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def fit_and_record(
     engine: Engine, recorder: NullRecorder, strategy: strategies.Strategy[Any]
 ) -> dict[str, float]:
@@ -200,12 +182,12 @@ def fit_and_record(
         result = engine.fit()
         recorder.save_model(strategy.model_state(engine.model))  # every rank: sharded weights gather
     except KeyboardInterrupt:
-        with signals_deferred():  # a second Ctrl-C (a terminal and submitit's controller both send
-            recorder.close("interrupted")  # one) must not cut short the record of the first
+        with signals_ignored():  # a second Ctrl-C must not cut short the record of the first
+            recorder.close("interrupted")
         raise
     except BaseException as exc:
         status = getattr(exc, "status", "interrupted" if getattr(exc, "interrupted", False) else "failed")
-        with signals_deferred():
+        with signals_ignored():
             recorder.close(status, error=str(exc) if status == "preempted" else repr(exc))
         raise
     recorder.close("completed")

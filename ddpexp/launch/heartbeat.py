@@ -66,8 +66,7 @@ class Heartbeat:
 
     def request_stop(self, at_step: int, signum: int) -> None:
         if self._cell is not None:
-            self._cell[SIGNAL] = signum
-            self._cell[STOP] = at_step
+            _write_stop(self._cell, at_step, signum)
 
     def stop_signal(self, step: int) -> int | None:
         """At an optimizer step boundary: the signal to stop for, if a checkpoint-and-stop at this step
@@ -122,8 +121,7 @@ class Pulse:
         return int(self.cell[STEP])
 
     def request_stop(self, value: int, signum: int = 0) -> None:
-        self.cell[SIGNAL] = signum
-        self.cell[STOP] = value
+        _write_stop(self.cell, value, signum)
 
     def quiet_for(self, now: float) -> float:
         return now - self.changed_at
@@ -132,3 +130,9 @@ class Pulse:
         """How long this worker may go without a beat: patience before its first beat and in slow
         phases, hang_s otherwise."""
         return patience_s if self.beats == 0 or self.cell[SLOW] else hang_s
+
+
+def _write_stop(cell: Any, value: int, signum: int) -> None:
+    """The signal first: a worker that sees the stop step reads the signal it is for."""
+    cell[SIGNAL] = signum
+    cell[STOP] = value

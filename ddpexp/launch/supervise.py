@@ -57,11 +57,20 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 def sigterm_raises() -> Iterator[None]:
     """Within the block SIGTERM raises `Interrupted` in the main thread, so the run unwinds through its
     `finally` blocks and records itself as interrupted; the previous handler comes back afterwards."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
-    try:
+    with handling((signal.SIGTERM,), _raise_interrupted):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM are ignored within the block: a run already stopping records how it ended
+    without a second Ctrl-C (a terminal and submitit's local controller each send one) cutting that
+    short and leaving metrics.json saying `running`. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with handling((signal.SIGINT, signal.SIGTERM), signal.SIG_IGN):
+        yield
 
 
 # trainer.checkpoint_on_signal: what Slurm (SIGTERM, --signal=USR1) and submitit (USR2) send.
@@ -82,7 +91,7 @@ def checkpoint_then_stop(heartbeat: Heartbeat) -> Iterator[None]:
         name = signal.Signals(signum).name
         print(f"ddpexp: {name}: saving a checkpoint after this step, then stopping", file=sys.stderr)
 
-    with _handling(CHECKPOINT_SIGNALS, on_signal):
+    with handling(CHECKPOINT_SIGNALS, on_signal):
         yield
 
 
@@ -98,12 +107,13 @@ def forward_to_launcher(heartbeat: Heartbeat, launcher_pid: int) -> Iterator[Non
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(launcher_pid, signum)
 
-    with _handling((signal.SIGTERM, signal.SIGUSR1), on_signal):
+    with handling((signal.SIGTERM, signal.SIGUSR1), on_signal):
         yield
 
 
 @contextlib.contextmanager
-def _handling(signals: tuple[int, ...], handler: Any) -> Iterator[None]:
+def handling(signals: tuple[int, ...], handler: Any) -> Iterator[None]:
+    """`handler` for these signals within the block; the previous handlers come back afterwards."""
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
