@@ -53,6 +53,8 @@ def composer(config_name: str = CONFIG_NAME) -> Iterator[Compose]:
         with initialize_config_dir(config_dir=conf_dir(), version_base="1.3", job_name="ddpexp"):
 
             def compose_one(overrides: list[str]) -> DictConfig:
+                if config_name == CONFIG_NAME:
+                    _refuse_benchmark_keys(overrides)
                 try:
                     return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
                 except Exception as exc:  # Hydra/OmegaConf composition errors: one line naming the key
@@ -244,6 +246,18 @@ def one_line(exc: BaseException) -> str:
     if detail and detail[0] not in head:
         head = f"{head.rstrip('.')}: {detail[0]}"
     return f"{full_key}: {head}" if full_key and full_key not in head else head
+
+
+def _refuse_benchmark_keys(overrides: list[str]) -> None:
+    """The training config leaves `commbench` null, where Hydra's own error is an assertion."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.partition(".")[0] == "commbench":
+            raise UserError(
+                "is a setting of the collective benchmark, not of training",
+                setting=key,
+                fix=f"python -m ddpexp.commbench {override.lstrip('+~')}",
+            )
 
 
 def _fix(exc: BaseException) -> str | None:

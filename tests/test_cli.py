@@ -24,6 +24,7 @@ REFUSALS = [
     (["trainer.threads=0"], ["trainer.threads", "must be"]),
     (["trainer.repeats=3"], ["trainer.repeats", "add -m"]),
     (["task=nosuch"], ["task", "nosuch", "classification"]),
+    (["commbench.smoke=true"], ["commbench.smoke", "collective benchmark", "python -m ddpexp.commbench"]),
     (["--epochs", "3"], ["--epochs is not an option", "key=value", "trainer.epochs=3"]),
     (["strategy=ddp", "backend='cpu:gloo,cuda:nccl'"], ["backend", "NCCL", "CPU", "backend=gloo"]),
     (
