@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,13 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A shell that starts a command in the background without job control (`make test &` in a script)
+# starts it with SIGINT ignored, and every process it starts inherits that: the tests that send
+# SIGINT to a run (as Ctrl-C would) would see it ignored. A handled signal is reset on exec, so the
+# processes the tests start get SIGINT's default, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Small, fast, BatchNorm-free experiment used by the multi-process tests.
 QUICK = ["model=mlp", "data=synthetic", "trainer.progress=false"]
