@@ -81,7 +81,8 @@ def run_jobs(
     def task(cfg: DictConfig) -> float | None:
         outcome = run_job(cfg, started_at=started_at if not outcomes else time.time(), sweep=multirun)
         outcomes.append(outcome)
-        report(outcome)
+        with suppress(OSError):  # stdout gone (a closed terminal or pipe): the run dir says it all,
+            report(outcome)  # and the sweep must still stop or go on as the outcome says
         if outcome.exit_code in STOP_CODES:  # Ctrl-C, SIGTERM, a preemption: the whole sweep stops
             raise SystemExit(outcome.exit_code)
         if outcome.exit_code != 0 and os.getpid() != here:  # a remote job: only an exception says so

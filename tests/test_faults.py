@@ -8,6 +8,7 @@ is free again, and that what was saved still loads. Failures are injected with D
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -28,6 +29,22 @@ from .conftest import QUICK, RESUME, metrics, run_ddpexp, run_here, same_weights
 pytestmark = pytest.mark.multiproc
 
 LONG = [*QUICK, "trainer.epochs=500", "checkpoint.every_steps=5", "hydra.run.dir=run"]
+WATCHED: list[Watched] = []
+
+
+@pytest.fixture(autouse=True)
+def _nothing_outlives_its_test():
+    """After each test (its assertions done), kill what it started and left running: a failing case
+    must not leave a sweep running into the next ones (a timed-out one did, for 20 minutes)."""
+    before = set(psutil.Process().children(recursive=True))
+    yield
+    left = set(psutil.Process().children(recursive=True)) - before
+    for run in WATCHED:
+        left |= {p for p in run.seen.values() if not _gone(p)}
+    WATCHED.clear()
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 class Watched:
@@ -57,6 +74,7 @@ class Watched:
         self._watching = True
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
+        WATCHED.append(self)
 
     def _watch(self) -> None:
         root = psutil.Process(self.proc.pid)
@@ -443,6 +461,27 @@ def test_ctrl_c_during_pre_flight_is_one_line_and_exit_130(tmp_path: Path):
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["ddpexp: interrupted before anything started"], err
     assert not (tmp_path / "multirun").exists()
+
+
+def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):
+    """A sweep whose stdout was closed (its terminal or pipe gone) cannot print a job's run dir: that
+    must not turn SIGTERM into "stop this job, go on with the next" (an orphaned sweep ran on so)."""
+    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,40)", *QUICK, "hydra.sweep.dir=sweep"]
+    with open(tmp_path / "err.txt", "w") as err_file:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file)
+    try:
+        proc.stdout.close()  # type: ignore[union-attr]  # nobody reads: the sweep's prints fail
+        deadline = time.time() + 120
+        while len(_run_dirs(tmp_path / "sweep")) < 3:  # two jobs ended, their run dirs unprintable
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "err.txt").read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143, (tmp_path / "err.txt").read_text()
+    finally:
+        proc.kill()
+    statuses = sorted(metrics(d)["status"] for d in _run_dirs(tmp_path / "sweep"))
+    assert statuses.count("interrupted") == 1 and statuses.count("running") == 0, statuses
+    assert len(statuses) <= 4, f"the sweep went on after SIGTERM: {len(statuses)} jobs"
 
 
 # ----------------------------------------------------------------------------- one directory, one run
