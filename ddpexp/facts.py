@@ -79,6 +79,7 @@ def run_facts(
         "sweep_varies": {key: _swept_value(job, key) for key in job.varies},  # the HParams view ticks these
         "torch": torch.__version__,
         "host": platform.node(),
+        "machine": host.machine_id(),  # shared by containers on one machine (the report's same-host checks)
     }
 
 

@@ -20,3 +20,16 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def machine_id() -> str | None:
+    """Which machine this is, whatever the host name says: the running kernel's boot id, which every
+    container on one machine (or VM) shares while their host names differ. None off Linux."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

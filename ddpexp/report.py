@@ -70,10 +70,11 @@ Warnings (a marker [k] in the row's "warnings" column, the text under the table 
                        free (+0.5) was other work. At the end, the expected load is that other work +
                        the decayed rest + busy threads x (1 - exp(-job time / 60 s)); a reading further
                        than 0.5 x host_cpus from it means other work started or stopped during the run.
-  overlapped           two jobs on the same facts.host whose [job_started_at, job_ended_at] intervals
-                       (job_ended_at, else started_at + wall_s) intersect by more than 1 s: each slowed
-                       the other (a sweep under a parallel launcher)
-Facts a run lacks (older runs: threads, host_cpus, load_avg_*, job_ended_at, host) give no warning.
+  overlapped           two jobs on one machine (the same facts.machine, the kernel's boot id, which
+                       containers share; else the same facts.host) whose [job_started_at, job_ended_at]
+                       intervals (job_ended_at, else started_at + wall_s) intersect by more than 1 s:
+                       each slowed the other (a sweep under a parallel launcher)
+Facts a run lacks (older runs: threads, host_cpus, load_avg_*, job_ended_at, host, machine) give no warning.
 """
 
 from __future__ import annotations
@@ -499,16 +500,25 @@ def oversubscription(run: Run) -> list[str]:
     ]
 
 
+def same_machine(a: Run, b: Run) -> bool:
+    """Whether two runs ran on one machine: the same facts.machine (the kernel's boot id, which
+    containers on one machine share under different host names), else, for runs recorded before it
+    was, the same facts.host."""
+    if a.facts.get("machine") and b.facts.get("machine"):
+        return bool(a.facts["machine"] == b.facts["machine"])
+    return a.facts.get("host") is not None and a.facts.get("host") == b.facts.get("host")
+
+
 def previous_on_host(run: Run, everyone: list[Run]) -> Run | None:
-    """The job on the same host that ended last before this one started."""
-    host, start = run.facts.get("host"), run.job_start
-    if host is None or start is None:
+    """The job on the same machine that ended last before this one started."""
+    start = run.job_start
+    if start is None:
         return None
     before = [
         other
         for other in everyone
         if other is not run
-        and other.facts.get("host") == host
+        and same_machine(run, other)
         and (end := other.job_end) is not None
         and end <= start + OVERLAP_TOLERANCE_S
     ]
@@ -550,28 +560,26 @@ def load_warnings(run: Run, previous: Run | None) -> list[str]:
 
 def overlaps(run: Run, everyone: list[Run]) -> list[str]:
     host, start, end = run.facts.get("host"), run.job_start, run.job_end
-    if host is None or start is None or end is None:
+    if start is None or end is None:
         return []
     shared = []
     for other in everyone:
-        if (
-            other is run
-            or other.facts.get("host") != host
-            or other.job_start is None
-            or other.job_end is None
-        ):
+        if other is run or not same_machine(run, other) or other.job_start is None or other.job_end is None:
             continue
         overlap = min(end, other.job_end) - max(start, other.job_start)
         if overlap > OVERLAP_TOLERANCE_S:
-            shared.append((other.name, overlap))
+            shared.append((other.name, overlap, other.facts.get("host")))
     if not shared:
         return []
-    names = ", ".join(name for name, _ in shared[:2]) + (
+    names = ", ".join(name for name, _, _ in shared[:2]) + (
         f" and {len(shared) - 2} more" if len(shared) > 2 else ""
     )
-    longest = max(overlap for _, overlap in shared)
+    longest = max(overlap for _, overlap, _ in shared)
+    hosts = list(dict.fromkeys(str(h) for h in [host, *(h for _, _, h in shared)] if h))
+    where = f"host {hosts[0]}" if len(hosts) == 1 else f"one machine (host names {', '.join(hosts)})"
+    where = where if hosts else "one machine"
     return [
-        f"{run.name}: ran at the same time as {names} on host {host} (up to {longest:.0f} s of its "
+        f"{run.name}: ran at the same time as {names} on {where} (up to {longest:.0f} s of its "
         f"{end - start:.0f} s): each slowed the other, so neither measures its strategy alone"
     ]
 

@@ -53,6 +53,7 @@ def test_an_in_process_run_uses_trainer_threads_and_gives_the_process_its_thread
     before = torch.get_num_threads()
     result = ddpexp.run([*PARITY, "trainer.threads=3", f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.facts["threads"] == 3 and result.facts["host_cpus"] == host.cpus()
+    assert result.facts["machine"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert torch.get_num_threads() == before
 
 

@@ -313,7 +313,33 @@ def _warning_cases() -> dict[str, tuple[list[tuple[str, dict[str, Any]]], str, s
             "strategy=single",
             "ran at the same time as strategy=ddp on host vm (up to 28 s of its 30 s)",
         ),
+        "overlapped in containers": (  # two containers of one machine: host names differ, the kernel not
+            [
+                ("strategy=single", {"samples_per_s": 61.0, "host": "box-a", "machine": "boot-1"}),
+                (
+                    "strategy=ddp",
+                    {
+                        "strategy": "ddp",
+                        "devices": 2,
+                        "samples_per_s": 1752.0,
+                        "start": T0 + 2.0,
+                        "host": "box-b",
+                        "machine": "boot-1",
+                    },
+                ),
+            ],
+            "strategy=single",
+            "ran at the same time as strategy=ddp on one machine (host names box-a, box-b)",
+        ),
     }
+
+
+def test_jobs_at_the_same_time_on_two_machines_of_one_name_did_not_overlap(tmp_path: Path):
+    """Containers named alike on different machines (a cluster's default host name) share nothing."""
+    single = ("strategy=single", {"samples_per_s": 100.0, "machine": "boot-1"})
+    ddp = ("strategy=ddp", {"strategy": "ddp", "devices": 2, "samples_per_s": 160.0, "start": T0 + 2.0})
+    sweep(tmp_path, [single, (ddp[0], {**ddp[1], "machine": "boot-2"})])
+    assert "ran at the same time" not in run_report(str(tmp_path))
 
 
 @pytest.mark.parametrize("case", list(_warning_cases()))
