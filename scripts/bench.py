@@ -100,9 +100,9 @@ def run_plain(model: str, strategy: str, world: int, n: int, loader: str, epochs
     return run_script("plain_loop.py", [*args, f"--epochs={epochs}"])
 
 
-def run_loop_overhead(model: str, *, smoke: bool) -> dict[str, float]:
+def run_loop_overhead(model: str, *, smoke: bool, world: int = 1) -> dict[str, float]:
     rounds = ["--rounds=2", "--num-train=512"] if smoke else ["--rounds=15"]
-    return run_script("loop_overhead.py", [f"--model={model}", *rounds])
+    return run_script("loop_overhead.py", [f"--model={model}", *rounds, f"--world={world}"])
 
 
 def measure(
@@ -212,6 +212,16 @@ def main() -> None:
             f"(rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}); vs bare: ddpexp {r['ddpexp_vs_bare']:.3f}, "
             f"hand {r['hand_vs_bare']:.3f}; ddpexp vs DataLoader loop {r['ddpexp_vs_loader']:.2f}"
         )
+    if "ddp" in strategies.split(","):
+        print()
+        print("ddp loop overhead, in 2 gloo ranks, epochs in turn: ddpexp (comm meter on / off) / hand DDP")
+        for model in models.split(","):
+            r = run_loop_overhead(model, smoke=args.smoke, world=2)
+            (lo, hi), quiet = r["ddpexp_vs_hand_range"], r["ddpexp_quiet_vs_hand"]
+            print(
+                f"{model:<8} {r['ddpexp']:>10,.0f} / {r['ddpexp_quiet']:>10,.0f} / {r['hand']:>10,.0f} "
+                f"samples/s = {r['ddpexp_vs_hand']:.3f} (rounds {lo:.2f}-{hi:.2f}) / {quiet:.3f}"
+            )
     cpus = os.cpu_count()
     print(
         f"(training samples/s: median of {repeats} processes, each the median of its epochs 2-{epochs}; "

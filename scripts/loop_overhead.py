@@ -16,6 +16,17 @@ the same machine state; the median of the per-round ratios is the framework's lo
 
 Prints one JSON line: median samples/s of each, and the median per-round ratios ddpexp / hand (with
 its range), ddpexp / bare, hand / bare and ddpexp / loader.
+
+With --world N (gloo on CPU, N processes, threads per process = cores / N, the global batch split
+among them) the same comparison for DDP, inside the ranks, every rank running the same loop at the
+same time:
+
+  ddpexp        Engine.train_epoch on ddpexp's ddp strategy as a run wraps it (its timing comm hook on:
+                trainer.measure_comm, the default)
+  ddpexp_quiet  the same with trainer.measure_comm=false (DDP's own all-reduce, nothing timed)
+  hand          DistributedDataParallel(model) and the hand loop, on the same per-rank batches
+
+    python scripts/loop_overhead.py --model convnet --world 2 --batch-size 128 --rounds 9
 """
 
 from __future__ import annotations
@@ -23,13 +34,18 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from plain_loop import make_model  # the models the plain loop trains (scripts/ is on sys.path)
 from torch.utils.data import DataLoader, DistributedSampler
@@ -38,8 +54,9 @@ from ddpexp.data import loaders
 from ddpexp.data.loaders import Batch
 from ddpexp.data.synthetic import synthetic
 from ddpexp.engine import Engine, LoopSettings
-from ddpexp.recorder import Recorder
+from ddpexp.recorder import NullRecorder, Recorder
 from ddpexp.strategies import Wrapped
+from ddpexp.strategies.ddp import DDP, DdpConfig
 
 HIDDEN = {"mlp": None, "mlp64": [64]}
 
@@ -50,7 +67,13 @@ def main() -> None:
     p.add_argument("--num-train", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--world", type=int, default=1, help="DDP ranks (gloo); 1: the one-process loops")
     args = p.parse_args()
+    if args.world > 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(_ddp_rank, args=(args, tmp), nprocs=args.world, start_method="spawn")
+            print(Path(tmp, "result.json").read_text())
+        return
     device = torch.device("cpu")
     splits = synthetic(num_train=args.num_train, num_eval=64).load(Path("."))
     kw = dict(batch_size=args.batch_size, rank=0, world=1, seed=0, device=device)
@@ -67,32 +90,15 @@ def main() -> None:
     settings = LoopSettings(
         epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=args.batch_size
     )
-    speeds: dict[str, list[float]] = {"ddpexp": [], "hand": [], "bare": [], "loader": []}
     with tempfile.TemporaryDirectory() as tmp:
         recorder = Recorder(Path(tmp), facts={}, progress=False)
 
         def run_ddpexp(epoch: int) -> float:
-            engine = Engine(
-                model=Wrapped(module=ours, base=ours),
-                optimizer=opt_ours,
-                train_loader=train,
-                eval_loader=evals,
-                recorder=recorder,
-                settings=settings,
-                device=device,
-            )
-            return engine.train_epoch(epoch)["perf/samples_per_s"]
+            plain = Wrapped(module=ours, base=ours)
+            return engine_epoch(plain, opt_ours, train, evals, recorder, settings, epoch)
 
         def timed(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch]) -> float:
-            """The hand-written loop: samples/s of one pass over `batches`."""
-            start, steps = time.perf_counter(), 0
-            for x, y in batches:
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                steps += 1
-            return steps * args.batch_size / (time.perf_counter() - start)
+            return hand_epoch(model, opt, batches, args.batch_size)
 
         def run_hand(epoch: int) -> float:
             train.set_epoch(epoch)
@@ -108,14 +114,7 @@ def main() -> None:
             return timed(tut, opt_tut, tutorial)
 
         loops = {"ddpexp": run_ddpexp, "hand": run_hand, "bare": run_bare, "loader": run_loader}
-        names = list(loops)
-        for epoch in range(args.rounds + 1):  # round 0 warms all up and is not counted
-            # Rotate which loop goes first, so none always inherits another's cache state.
-            order = names[epoch % len(names) :] + names[: epoch % len(names)]
-            results = {name: loops[name](epoch) for name in order}
-            if epoch > 0:
-                for name, speed in results.items():
-                    speeds[name].append(speed)
+        speeds = rounds_in_turn(loops, args.rounds)
         recorder.close("completed")
 
     def ratios(a: str, b: str) -> list[float]:
@@ -128,6 +127,113 @@ def main() -> None:
     out |= {"hand_vs_bare": statistics.median(ratios("hand", "bare"))}
     out |= {"ddpexp_vs_loader": statistics.median(ratios("ddpexp", "loader")), "rounds": args.rounds}
     print(json.dumps(out))
+
+
+def hand_epoch(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch], global_batch: int
+) -> float:
+    """The hand-written loop: samples/s of one pass over `batches`."""
+    start, steps = time.perf_counter(), 0
+    for x, y in batches:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+    return steps * global_batch / (time.perf_counter() - start)
+
+
+def engine_epoch(
+    model: Wrapped,
+    opt: torch.optim.Optimizer,
+    train: Any,
+    evals: Any,
+    recorder: Any,
+    settings: LoopSettings,
+    epoch: int,
+) -> float:
+    """ddpexp's loop: samples/s of one epoch of a fresh Engine (its position is one epoch's)."""
+    engine = Engine(
+        model=model,
+        optimizer=opt,
+        train_loader=train,
+        eval_loader=evals,
+        recorder=recorder,
+        settings=settings,
+        device=torch.device("cpu"),
+    )
+    return engine.train_epoch(epoch)["perf/samples_per_s"]
+
+
+def rounds_in_turn(loops: dict[str, Callable[[int], float]], rounds: int) -> dict[str, list[float]]:
+    """Each loop once per round, the order rotated every round (so none always inherits another's
+    cache state); round 0 warms them all up and is not kept."""
+    names = list(loops)
+    speeds: dict[str, list[float]] = {name: [] for name in loops}
+    for epoch in range(rounds + 1):
+        order = names[epoch % len(names) :] + names[: epoch % len(names)]
+        results = {name: loops[name](epoch) for name in order}
+        if epoch > 0:
+            for name, speed in results.items():
+                speeds[name].append(speed)
+    return speeds
+
+
+def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
+    """One rank of --world: ddpexp's Engine on its ddp strategy (meter on and off) against DDP + the
+    hand loop, every rank running the same loop in the same round."""
+    world = args.world
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # ddpexp's default rule
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    splits = synthetic(num_train=args.num_train, num_eval=64).load(Path("."))
+    per_rank = args.batch_size // world
+    kw = dict(batch_size=per_rank, rank=rank, world=world, seed=0, device=device)
+    train = loaders.build(splits.train, mode="device", train=True, **kw)
+    evals = loaders.build(splits.eval, mode="device", train=False, **kw)
+    torch.manual_seed(0)
+    base = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
+    ctx: Any = SimpleNamespace(device=device)  # all that DDP.wrap reads of the context
+    wrapped = {
+        "ddpexp": DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True),
+        "ddpexp_quiet": DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=False),
+    }
+    hand = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    settings = LoopSettings(
+        epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=args.batch_size,
+        devices=world,
+    )  # fmt: skip
+    recorder = Recorder(Path(tmp, "run"), facts={}, progress=False) if rank == 0 else NullRecorder()
+    optimizers = {
+        name: torch.optim.SGD(w.module.parameters(), lr=0.01, momentum=0.9) for name, w in wrapped.items()
+    }
+    opt_hand = torch.optim.SGD(hand.parameters(), lr=0.01, momentum=0.9)
+
+    def run_hand(epoch: int) -> float:
+        train.set_epoch(epoch)
+        return hand_epoch(hand, opt_hand, train, args.batch_size)
+
+    def engine_loop(name: str) -> Callable[[int], float]:
+        return lambda epoch: engine_epoch(
+            wrapped[name], optimizers[name], train, evals, recorder, settings, epoch
+        )
+
+    loops = {"ddpexp": engine_loop("ddpexp"), "ddpexp_quiet": engine_loop("ddpexp_quiet"), "hand": run_hand}
+    speeds = rounds_in_turn(loops, args.rounds)
+    recorder.close("completed")
+    if rank == 0:
+
+        def ratio(a: str) -> list[float]:
+            return [x / y for x, y in zip(speeds[a], speeds["hand"], strict=True)]
+
+        out: dict[str, Any] = {"model": args.model, "world": world, "global_batch": args.batch_size}
+        out |= {name: statistics.median(v) for name, v in speeds.items()}
+        for name in ("ddpexp", "ddpexp_quiet"):
+            r = ratio(name)
+            out |= {f"{name}_vs_hand": statistics.median(r), f"{name}_vs_hand_range": [min(r), max(r)]}
+        out["rounds"] = args.rounds
+        Path(tmp, "result.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

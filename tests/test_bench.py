@@ -49,6 +49,8 @@ def test_benchmark_smoke_prints_a_row_per_strategy():
     assert float(overhead[overhead.index("ddpexp", 1) + 1].rstrip(",")) > 0  # ddpexp vs bare
     assert float(overhead[overhead.index("hand", 1) + 1].rstrip(";")) > 0  # hand vs bare
     assert float(overhead[-1]) > 0  # ddpexp vs the DataLoader loop
+    ddp = lines[lines.index(next(ln for ln in lines if ln.startswith("ddp loop overhead"))) + 1].split()
+    assert ddp[0] == "mlp" and float(ddp[ddp.index("=") + 1]) > 0 and float(ddp[-1]) > 0  # meter on, off
 
 
 def _twins_rank(rank: int, ports: list[int], out_dir: str) -> None:
