@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from plain_loop import make_model  # the models the plain loop trains (scripts/ is on sys.path)
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpexp.context import intra_op_threads
 from ddpexp.data import loaders
 from ddpexp.data.loaders import Batch
 from ddpexp.data.synthetic import synthetic
@@ -74,13 +75,7 @@ def main() -> None:
             mp.start_processes(_ddp_rank, args=(args, tmp), nprocs=args.world, start_method="spawn")
             print(Path(tmp, "result.json").read_text())
         return
-    device = torch.device("cpu")
-    splits = synthetic(num_train=args.num_train, num_eval=64).load(Path("."))
-    kw = dict(batch_size=args.batch_size, rank=0, world=1, seed=0, device=device)
-    train = loaders.build(splits.train, mode="device", train=True, **kw)
-    evals = loaders.build(splits.eval, mode="device", train=False, **kw)
-    torch.manual_seed(0)
-    ours = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
+    splits, train, evals, ours = setup(args, rank=0, world=1)
     hand, bare, tut = copy.deepcopy(ours), copy.deepcopy(ours), copy.deepcopy(ours)
     opt_ours, opt_hand, opt_bare, opt_tut = (
         torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, hand, bare, tut)
@@ -117,16 +112,31 @@ def main() -> None:
         speeds = rounds_in_turn(loops, args.rounds)
         recorder.close("completed")
 
-    def ratios(a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(speeds[a], speeds[b], strict=True)]
-
-    overhead = ratios("ddpexp", "hand")
+    overhead = per_round(speeds, "ddpexp", "hand")
     out = {"model": args.model, **{name: statistics.median(v) for name, v in speeds.items()}}
     out |= {"ratio": statistics.median(overhead), "ratio_min": min(overhead), "ratio_max": max(overhead)}
-    out |= {"ddpexp_vs_bare": statistics.median(ratios("ddpexp", "bare"))}
-    out |= {"hand_vs_bare": statistics.median(ratios("hand", "bare"))}
-    out |= {"ddpexp_vs_loader": statistics.median(ratios("ddpexp", "loader")), "rounds": args.rounds}
+    out |= {"ddpexp_vs_bare": statistics.median(per_round(speeds, "ddpexp", "bare"))}
+    out |= {"hand_vs_bare": statistics.median(per_round(speeds, "hand", "bare"))}
+    out |= {"ddpexp_vs_loader": statistics.median(per_round(speeds, "ddpexp", "loader"))}
+    out["rounds"] = args.rounds
     print(json.dumps(out))
+
+
+def setup(args: argparse.Namespace, *, rank: int, world: int) -> tuple[Any, Any, Any, torch.nn.Module]:
+    """(the data, this rank's device-resident training and eval batches of global batch / world, the
+    model with seed-0 weights): the same for every loop compared."""
+    splits = synthetic(num_train=args.num_train, num_eval=64).load(Path("."))
+    kw = dict(batch_size=args.batch_size // world, rank=rank, world=world, seed=0, device=torch.device("cpu"))
+    train = loaders.build(splits.train, mode="device", train=True, **kw)
+    evals = loaders.build(splits.eval, mode="device", train=False, **kw)
+    torch.manual_seed(0)
+    model = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
+    return splits, train, evals, model
+
+
+def per_round(speeds: dict[str, list[float]], a: str, b: str) -> list[float]:
+    """Loop a's speed over loop b's, round by round (both ran in the same round)."""
+    return [x / y for x, y in zip(speeds[a], speeds[b], strict=True)]
 
 
 def hand_epoch(
@@ -183,17 +193,10 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     """One rank of --world: ddpexp's Engine on its ddp strategy (meter on and off) against DDP + the
     hand loop, every rank running the same loop in the same round."""
     world = args.world
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))  # ddpexp's default rule
+    torch.set_num_threads(intra_op_threads(None, world, os.environ))  # ddpexp's default rule
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    device = torch.device("cpu")
-    splits = synthetic(num_train=args.num_train, num_eval=64).load(Path("."))
-    per_rank = args.batch_size // world
-    kw = dict(batch_size=per_rank, rank=rank, world=world, seed=0, device=device)
-    train = loaders.build(splits.train, mode="device", train=True, **kw)
-    evals = loaders.build(splits.eval, mode="device", train=False, **kw)
-    torch.manual_seed(0)
-    base = make_model("mlp" if args.model in HIDDEN else args.model, HIDDEN.get(args.model))
-    ctx: Any = SimpleNamespace(device=device)  # all that DDP.wrap reads of the context
+    _, train, evals, base = setup(args, rank=rank, world=world)
+    ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that DDP.wrap reads of the context
     wrapped = {
         "ddpexp": DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True),
         "ddpexp_quiet": DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=False),
@@ -222,14 +225,10 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     speeds = rounds_in_turn(loops, args.rounds)
     recorder.close("completed")
     if rank == 0:
-
-        def ratio(a: str) -> list[float]:
-            return [x / y for x, y in zip(speeds[a], speeds["hand"], strict=True)]
-
         out: dict[str, Any] = {"model": args.model, "world": world, "global_batch": args.batch_size}
         out |= {name: statistics.median(v) for name, v in speeds.items()}
         for name in ("ddpexp", "ddpexp_quiet"):
-            r = ratio(name)
+            r = per_round(speeds, name, "hand")
             out |= {f"{name}_vs_hand": statistics.median(r), f"{name}_vs_hand_range": [min(r), max(r)]}
         out["rounds"] = args.rounds
         Path(tmp, "result.json").write_text(json.dumps(out))
