@@ -576,8 +576,10 @@ def overlaps(run: Run, everyone: list[Run]) -> list[str]:
     )
     longest = max(overlap for _, overlap, _ in shared)
     hosts = list(dict.fromkeys(str(h) for h in [host, *(h for _, _, h in shared)] if h))
-    where = f"host {hosts[0]}" if len(hosts) == 1 else f"one machine (host names {', '.join(hosts)})"
-    where = where if hosts else "one machine"
+    if len(hosts) == 1:
+        where = f"host {hosts[0]}"
+    else:  # containers of one machine under their own names (or runs that recorded none)
+        where = "one machine" + (f" (host names {', '.join(hosts)})" if hosts else "")
     return [
         f"{run.name}: ran at the same time as {names} on {where} (up to {longest:.0f} s of its "
         f"{end - start:.0f} s): each slowed the other, so neither measures its strategy alone"
