@@ -63,6 +63,7 @@ class LoopSettings:
     checkpoint_every_steps: int | None = None
     devices: int = 1  # devices training in parallel (per-device throughput)
     stop_on_nonfinite: bool = True
+    time_comm_every_steps: int = 1  # the comm meter times one optimizer step in this many
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: Plan) -> LoopSettings:
@@ -82,6 +83,7 @@ class LoopSettings:
             checkpoint_every_steps=c.every_steps,
             devices=plan.devices,
             stop_on_nonfinite=t.on_nonfinite == OnNonFinite.stop,
+            time_comm_every_steps=t.time_comm_every_steps,
         )
 
     def total_steps(self, steps_per_epoch: int) -> int:
@@ -206,8 +208,9 @@ class Engine:
         batches = self.recorder.progress(
             self.train_loader, total=remaining, desc=f"epoch {epoch + 1}/{self.s.epochs}"
         )
-        if self.model.comm is not None:
-            self.model.comm.take()  # drop what evaluation or the previous epoch left
+        comm, time_comm_every = self.model.comm, self.s.time_comm_every_steps
+        if comm is not None:
+            comm.take()  # drop what evaluation or the previous epoch left
         # The settings read on every step, hoisted out of the loop.
         log_every, eval_every = self.s.log_every_steps, self.s.eval_every_steps
         ckpt_every, on_step, pending = self.s.checkpoint_every_steps, self.on_step, self._pending
@@ -223,6 +226,8 @@ class Engine:
             except StopIteration:
                 break
             wait += time.perf_counter() - t
+            if comm is not None and micro % acc == 0:
+                comm.begin_step(time_comm_every)
             micro += 1
             last_micro = micro % acc == 0
             loss = self.forward_backward(inputs, targets, sync=last_micro)
@@ -233,6 +238,8 @@ class Engine:
             if not last_micro:
                 continue
             self.optimizer_step()
+            if comm is not None:
+                comm.end_step()
             steps += 1
             step = self.pos.step
             if step % log_every == 0:

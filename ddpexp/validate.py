@@ -251,6 +251,7 @@ def _check_sizes(cfg: DictConfig) -> None:
         "trainer.batch_size": t.batch_size,
         "trainer.eval_every_epochs": t.eval_every_epochs,
         "trainer.log_every_steps": t.log_every_steps,
+        "trainer.time_comm_every_steps": t.time_comm_every_steps,
         "dist.timeout_s": cfg.dist.timeout_s,
         "dist.nnodes": cfg.dist.nnodes,
     }

@@ -21,9 +21,11 @@ With --world N (gloo on CPU, N processes, threads per process = cores / N, the g
 among them) the same comparison for DDP, inside the ranks, every rank running the same loop at the
 same time:
 
-  ddpexp        Engine.train_epoch on ddpexp's ddp strategy as a run wraps it (its timing comm hook on:
-                trainer.measure_comm, the default)
-  ddpexp_quiet  the same with trainer.measure_comm=false (DDP's own all-reduce, nothing timed)
+  ddpexp        Engine.train_epoch on ddpexp's ddp strategy as a run wraps it: its comm meter on
+                (trainer.measure_comm), bytes counted every step, time on one step in
+                trainer.time_comm_every_steps (the defaults)
+  ddpexp_every  the same, timing every step (trainer.time_comm_every_steps=1)
+  ddpexp_quiet  the same with trainer.measure_comm=false (DDP's own all-reduce, nothing measured)
   hand          DistributedDataParallel(model) and the hand loop, on the same per-rank batches
 
     python scripts/loop_overhead.py --model convnet --world 2 --batch-size 128 --rounds 9
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 from plain_loop import make_model  # the models the plain loop trains (scripts/ is on sys.path)
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpexp.config import TrainerConfig
 from ddpexp.context import intra_op_threads
 from ddpexp.data import loaders
 from ddpexp.data.loaders import Batch
@@ -197,15 +200,28 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     _, train, evals, base = setup(args, rank=rank, world=world)
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that DDP.wrap reads of the context
+    variants = {  # name: (measure_comm, time_comm_every_steps)
+        "ddpexp": (True, TrainerConfig.time_comm_every_steps),
+        "ddpexp_every": (True, 1),
+        "ddpexp_quiet": (False, 1),
+    }
     wrapped = {
-        "ddpexp": DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True),
-        "ddpexp_quiet": DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=False),
+        name: DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=measure)
+        for name, (measure, _) in variants.items()
     }
     hand = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    settings = LoopSettings(
-        epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=args.batch_size,
-        devices=world,
-    )  # fmt: skip
+    settings = {
+        name: LoopSettings(
+            epochs=1,
+            max_steps=None,
+            log_every_steps=50,
+            eval_every_epochs=1,
+            global_batch=args.batch_size,
+            devices=world,
+            time_comm_every_steps=every,
+        )
+        for name, (_, every) in variants.items()
+    }
     recorder = Recorder(Path(tmp, "run"), facts={}, progress=False) if rank == 0 else NullRecorder()
     optimizers = {
         name: torch.optim.SGD(w.module.parameters(), lr=0.01, momentum=0.9) for name, w in wrapped.items()
@@ -218,16 +234,16 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
 
     def engine_loop(name: str) -> Callable[[int], float]:
         return lambda epoch: engine_epoch(
-            wrapped[name], optimizers[name], train, evals, recorder, settings, epoch
+            wrapped[name], optimizers[name], train, evals, recorder, settings[name], epoch
         )
 
-    loops = {"ddpexp": engine_loop("ddpexp"), "ddpexp_quiet": engine_loop("ddpexp_quiet"), "hand": run_hand}
+    loops = {name: engine_loop(name) for name in variants} | {"hand": run_hand}
     speeds = rounds_in_turn(loops, args.rounds)
     recorder.close("completed")
     if rank == 0:
         out: dict[str, Any] = {"model": args.model, "world": world, "global_batch": args.batch_size}
         out |= {name: statistics.median(v) for name, v in speeds.items()}
-        for name in ("ddpexp", "ddpexp_quiet"):
+        for name in variants:
             r = per_round(speeds, name, "hand")
             out |= {f"{name}_vs_hand": statistics.median(r), f"{name}_vs_hand_range": [min(r), max(r)]}
         out["rounds"] = args.rounds

@@ -22,6 +22,7 @@ REFUSALS = [
     (["checkpoint.best_metric=eval/mse"], ["checkpoint.best_metric", "eval/mse", "eval/acc"]),
     (["task.topk=1"], ["task.topk", "2 or more"]),
     (["trainer.threads=0"], ["trainer.threads", "must be"]),
+    (["trainer.time_comm_every_steps=0"], ["trainer.time_comm_every_steps", "must be"]),
     (["trainer.repeats=3"], ["trainer.repeats", "add -m"]),
     (["task=nosuch"], ["task", "nosuch", "classification"]),
     (["commbench.smoke=true"], ["commbench.smoke", "collective benchmark", "python -m ddpexp.commbench"]),

@@ -10,6 +10,13 @@ intervals (buckets in flight together) are merged, so the busy time is wall-cloc
 least one reduction was running; with DDP much of it overlaps the backward pass. On CUDA the completion
 callback is when the host learns of completion, so the times are host-observed.
 
+Bytes are counted on every step. Time is measured on a sample of steps (trainer.time_comm_every_steps:
+one optimizer step in k, the first of each epoch among them; the engine says when a step starts), and
+the busy time of the epoch is estimated from it: busy time of the timed steps x steps / timed steps.
+Timing a DDP bucket costs a Python completion callback (and, on CUDA, a host synchronisation where a
+strategy times its own all-reduce); sampling keeps that off the other k-1 steps, whose collectives
+run untimed.
+
 `Collective` and `Workload` (at the end) are what strategies describe their communication with for the
 cost model (`Strategy.communication`, ddpexp/predict.py): `Collective.counted` is what this module's
 meters count for it, so a prediction compares one for one with a measurement.
@@ -33,36 +40,72 @@ KINDS = ("gradients", "parameters", "sync_bn")
 
 
 class CommMeter:
+    """Bytes by kind and busy intervals of one rank's collectives, since the last `take`.
+
+    `timing` says whether the current step is one the meter times. A strategy that times a collective
+    synchronously calls `record`, which honours it; one that times asynchronously (a completion
+    callback) checks `timing` when it launches, counts the bytes with `count` then, and adds the
+    interval with `interval` on completion, whenever that is."""
+
     def __init__(self) -> None:
+        self.timing = True  # until the engine says steps begin: time everything
+        self._steps = self._timed = 0
         self._intervals: list[tuple[float, float]] = []
         self._bytes = dict.fromkeys(KINDS, 0)
 
-    def record(self, start: float, end: float, nbytes: int, kind: str = "gradients") -> None:
-        self._intervals.append((start, end))
+    def begin_step(self, every: int = 1) -> None:
+        """An optimizer step starts: time it if it is one in `every` (the first after `take` is)."""
+        self.timing = self._steps % every == 0
+        self._steps += 1
+        self._timed += self.timing
+
+    def end_step(self) -> None:
+        """The step's collectives are done (its optimizer step ran): time nothing until the next."""
+        self.timing = False
+
+    def count(self, nbytes: int, kind: str = "gradients") -> None:
         self._bytes[kind] += nbytes
 
+    def interval(self, start: float, end: float) -> None:
+        self._intervals.append((start, end))
+
+    def record(self, start: float, end: float, nbytes: int, kind: str = "gradients") -> None:
+        """A collective that ran from `start` to `end` (perf_counter), synchronously: its bytes always,
+        its interval when this step is timed."""
+        self.count(nbytes, kind)
+        if self.timing:
+            self.interval(start, end)
+
     def take(self) -> tuple[float, dict[str, int]]:
-        """(busy seconds, bytes by kind) since the last call."""
+        """(busy seconds, bytes by kind) since the last call: the busy time is the timed steps'
+        scaled to every step (exact when every step was timed)."""
         busy, reach = 0.0, float("-inf")
         for start, end in sorted(self._intervals):
             if end <= reach:
                 continue
             busy += end - max(start, reach)
             reach = end
+        if self._timed:
+            busy *= self._steps / self._timed
         nbytes = self._bytes
         self._intervals, self._bytes = [], dict.fromkeys(KINDS, 0)
+        self._steps = self._timed = 0
+        self.timing = True
         return busy, nbytes
 
 
 def record_when_done(meter: CommMeter, work: Any, start: float, nbytes: int, kind: str = "gradients") -> None:
     """Record a collective launched at `start` when it completes: now if it ran synchronously (no
-    Work), else from its future's completion callback."""
+    Work), else from its future's completion callback, which only a timed step pays for."""
     if work is None:
         meter.record(start, time.perf_counter(), nbytes, kind)
         return
+    meter.count(nbytes, kind)
+    if not meter.timing:
+        return
 
     def done(f: torch.futures.Future[Any]) -> None:
-        meter.record(start, time.perf_counter(), nbytes, kind)
+        meter.interval(start, time.perf_counter())
 
     work.get_future().then(done)
 
@@ -73,16 +116,19 @@ SentBytes = Callable[[Any], int]
 
 def timed_hook(meter: CommMeter, inner: Any, sent_bytes: SentBytes) -> Any:
     """A DDP communication hook: `inner(state, bucket)` (any DDP hook: the default all-reduce, a
-    compression hook, PowerSGD), timed, and recorded with `sent_bytes(bucket)`."""
+    compression hook, PowerSGD), its bytes counted with `sent_bytes(bucket)` on every step, timed on the
+    steps the meter times."""
 
     # No annotations here: DDP inspects them and accepts only the real types (or none at all).
     def hook(state, bucket):
+        meter.count(sent_bytes(bucket))  # before `inner`: PowerSGD advances its iteration inside it
+        if not meter.timing:
+            return inner(state, bucket)
         start = time.perf_counter()
-        nbytes = sent_bytes(bucket)  # before `inner`: PowerSGD advances its iteration inside it
         fut = inner(state, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            meter.record(start, time.perf_counter(), nbytes)
+            meter.interval(start, time.perf_counter())
             return f.value()
 
         return fut.then(done)

@@ -127,12 +127,13 @@ def averager(
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # keep every rank issuing the same collectives
-        if meter is not None and cuda:
+        timed_on_cuda = meter is not None and meter.timing and cuda
+        if timed_on_cuda:
             torch.cuda.synchronize()  # time the reductions, not the backward still queued before them
         start = time.perf_counter()
         nbytes = sum(average_group(group, reduce, world) for group in groups)
         if meter is not None:
-            if cuda:
+            if timed_on_cuda:
                 torch.cuda.synchronize()
             meter.record(start, time.perf_counter(), nbytes)
 

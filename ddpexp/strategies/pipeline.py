@@ -360,7 +360,7 @@ class StageRunner(nn.Module):
         start = time.perf_counter()
         dist.all_reduce(flat, group=self.dp_group)
         if meter is not None:
-            if flat.is_cuda:
+            if flat.is_cuda and meter.timing:
                 torch.cuda.synchronize(flat.device)
             meter.record(start, time.perf_counter(), flat.numel() * flat.element_size())
         flat.div_(dist.get_world_size(self.dp_group))

@@ -1,0 +1,105 @@
+"""The communication meter samples its timing: bytes are counted on every step, time on one optimizer
+step in trainer.time_comm_every_steps, and the epoch's comm time is estimated from the timed steps.
+In-process (a gloo world of one): what a strategy's meter and the engine do together."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from ddpexp.strategies.comm import CommMeter
+
+
+def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
+    meter = CommMeter()
+    for step in range(6):
+        meter.begin_step(3)  # steps 0 and 3 are timed
+        start = 10.0 * step
+        meter.record(start, start + 1.0, 100)  # a synchronous collective: 1 s, 100 bytes
+        meter.record(start + 0.5, start + 1.5, 8, kind="sync_bn")  # overlaps it by 0.5 s
+        meter.end_step()
+    meter.record(99.0, 100.0, 1)  # after a step's end (e.g. a mid-epoch eval): counted, not timed
+    busy, nbytes = meter.take()
+    assert busy == pytest.approx(2 * 1.5 * 6 / 2)  # two timed steps of 1.5 s busy, scaled to six
+    assert nbytes == {"gradients": 601, "parameters": 0, "sync_bn": 48}
+    assert meter.take() == (0.0, {"gradients": 0, "parameters": 0, "sync_bn": 0})
+
+
+def test_a_meter_no_engine_steps_times_everything():
+    meter = CommMeter()
+    meter.record(0.0, 2.0, 4)
+    meter.record(1.0, 3.0, 4)
+    assert meter.take() == (3.0, {"gradients": 8, "parameters": 0, "sync_bn": 0})
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("every", [1, 4])
+def test_ddp_times_only_the_sampled_steps_and_counts_every_steps_bytes(every: int, monkeypatch):
+    """DDP's comm hook adds its completion callback only on the timed steps (the cost sampling saves),
+    while comm/bytes_per_step stays exact and comm/time_per_step_s is estimated from the timed ones."""
+    from ddpexp.data import loaders
+    from ddpexp.data.synthetic import synthetic
+    from ddpexp.engine import Engine, LoopSettings
+    from ddpexp.recorder import NullRecorder
+    from ddpexp.strategies.comm import parameter_bytes
+    from ddpexp.strategies.ddp import DDP, DdpConfig
+
+    completions: list[float] = []
+    interval = CommMeter.interval
+
+    def spy(self: CommMeter, start: float, end: float) -> None:
+        completions.append(end - start)
+        interval(self, start, end)
+
+    monkeypatch.setattr(CommMeter, "interval", spy)
+    splits = synthetic(num_train=320, num_eval=32).load(Path("."))
+    kw: dict[str, Any] = dict(batch_size=32, rank=0, world=1, seed=0, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
+    ctx: Any = SimpleNamespace(device=torch.device("cpu"))
+    wrapped = DDP().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
+    settings = LoopSettings(
+        epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=32,
+        time_comm_every_steps=every,
+    )  # fmt: skip
+    engine = Engine(
+        model=wrapped,
+        optimizer=torch.optim.SGD(wrapped.module.parameters(), lr=0.01),
+        train_loader=loaders.build(splits.train, mode="device", train=True, **kw),
+        eval_loader=loaders.build(splits.eval, mode="device", train=False, **kw),
+        recorder=NullRecorder(),
+        settings=settings,
+        device=torch.device("cpu"),
+    )
+    values = engine.train_epoch(0)
+    steps = 320 // 32
+    assert len(completions) == math.ceil(steps / every)  # one bucket per step: the model is small
+    assert values["comm/bytes_per_step"] == parameter_bytes(model)
+    assert values["comm/time_per_step_s"] == pytest.approx(sum(completions) / len(completions), rel=1e-6)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_meter_cost_script_measures_every_variant_against_plain_ddp(monkeypatch):
+    """scripts/comm_meter_cost.py (the README's per-step cost of the meter), a smoke run in-process."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import comm_meter_cost
+
+    out = comm_meter_cost.measure(rounds=1, steps=3)
+    assert out["hand_us_per_step"] > 0 and out["time_comm_every_steps"] == 10
+    assert {"every_extra_us", "sampled_extra_us", "pyhook_extra_us", "quiet_extra_us"} <= set(out)
