@@ -20,7 +20,7 @@ from ddpexp.optim import OptimizerSpec
 from ddpexp.strategies.ps import ASYNC, ParameterServer, PsConfig
 
 from .conftest import PARITY, RESUME, metrics, run_here, same_weights, scored_by_single
-from .test_faults import LONG, Watched
+from .fault_harness import LONG, Watched
 from .test_training import assert_same_state, ckpt
 
 pytestmark = pytest.mark.multiproc

@@ -1,0 +1,179 @@
+"""The fault-injection suite, continued (helpers: tests/fault_harness.py): one directory, one run: Ctrl-C
+and SIGTERM around sweeps, run dirs in use, sweeps started together, submitit jobs, stale rendezvous files."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddpexp import runner
+
+from .conftest import QUICK, metrics, run_ddpexp, run_here, same_weights
+from .fault_harness import (
+    _nothing_outlives_its_test,  # noqa: F401  (autouse: kills what a case left running)
+    run_dirs,
+)
+
+pytestmark = pytest.mark.multiproc
+
+
+# ----------------------------------------------------------------------------- one directory, one run
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_run_dir_in_use_by_another_run_is_refused_and_left_as_it_was(tmp_path: Path):
+    """Two runs started into one hydra.run.dir: the second is refused (exit 2, the holder's PID) and
+    writes nothing there; once the holder is gone, however it ended, the directory is free again."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(  # another ddpexp run holding the claim, as a running launcher does
+        [
+            sys.executable,
+            "-c",
+            f"import pathlib; from ddpexp import fsutil;"
+            f"c = fsutil.claim(pathlib.Path({str(run_dir)!r})); print(1); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "1"
+        (run_dir / "config.yaml").write_text("the other run's config\n")
+        before = _snapshot(run_dir)
+        second = run_here(tmp_path, *QUICK, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+        assert second.returncode == 2, second
+        assert f"is in use by another ddpexp run (pid {holder.pid})" in second.stderr, second
+        assert len(second.stderr.strip().splitlines()) == 1, second
+        assert _snapshot(run_dir) == before
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    again = run_here(
+        tmp_path, *QUICK, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"
+    )  # a SIGKILLed holder
+    assert again.returncode == 0, again
+    assert metrics(run_dir)["status"] == "completed"
+
+
+def test_sweeps_started_in_the_same_second_get_their_own_directories(tmp_path: Path, monkeypatch):
+    """The default sweep directory has sub-second resolution, and pre-flight pins it: Hydra writes
+    into exactly the directory the caller claimed, not one resolved again a moment later."""
+    from ddpexp.preflight import preflight
+
+    monkeypatch.chdir(tmp_path)
+    first, second = (preflight(["strategy=single,ddp"], multirun=True) for _ in range(2))
+    assert first.output_dir is not None and second.output_dir is not None
+    assert first.output_dir != second.output_dir
+    assert f"hydra.sweep.dir={first.output_dir}" in first.overrides
+
+
+def test_a_sweep_into_a_directory_holding_a_sweep_is_refused(tmp_path: Path):
+    old = tmp_path / "sweep" / "strategy=single"
+    old.mkdir(parents=True)
+    (old / "metrics.json").write_text('{"status": "completed"}')
+    before = _snapshot(tmp_path / "sweep")
+    result = run_here(tmp_path, "-m", *QUICK, "strategy=single,ddp", "hydra.sweep.dir=sweep")
+    assert result.returncode == 2, result
+    assert "already holds a sweep's runs" in result.stderr and "trainer.resume=auto" in result.stderr
+    assert _snapshot(tmp_path / "sweep") == before
+
+
+def test_workers_take_their_job_from_the_launcher_not_from_the_run_dir(tmp_path: Path, monkeypatch):
+    """Whatever config.yaml holds when the workers start (here: a decoy saying 1 step), they train the
+    job the launcher checked (3 steps)."""
+    from ddpexp.job import CONFIG_FILE, Job
+
+    save = Job.save
+
+    def save_then_overwrite(self: Job) -> None:
+        save(self)
+        decoy = (self.run_dir / CONFIG_FILE).read_text().replace("max_steps: 3", "max_steps: 1")
+        (self.run_dir / CONFIG_FILE).write_text(decoy)
+
+    monkeypatch.setattr(Job, "save", save_then_overwrite)
+    result = run_here(tmp_path, *QUICK, "strategy=ddp", "trainer.max_steps=3", "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    assert "max_steps: 1" in (tmp_path / "run" / CONFIG_FILE).read_text()  # the decoy was in place
+    assert metrics(tmp_path / "run")["final"]["step"] == 3
+
+
+def test_submitit_jobs_requeue_after_preemption_and_a_failing_job_fails_the_sweep(tmp_path: Path):
+    """Jobs run by submitit (here its local executor: the machinery Slurm uses). Both are preempted at
+    step 3 (SIGUSR1, as from Slurm's --signal): each saves, submitit requeues it, and it resumes by
+    itself (checkpoint_on_signal is on under submitit). The good job then ends as if never stopped; the
+    other fails, and the submitting command says so: non-zero exit, its one-line error, its logs."""
+    args = ["-m", "hydra/launcher=submitit_local", "optim.lr=0.05,1e10", *QUICK, "trainer.max_steps=5"]
+    # A process of its own: submitit pickles Hydra's config store, which earlier in-process tests
+    # filled with strategies from tests/ that a job started elsewhere cannot import.
+    fault = {"DDPEXP_FAULT": "rank0:step3:preempt"}
+    result = run_ddpexp(tmp_path, *args, "hydra.sweep.dir=sweep", env=fault)
+    assert result.returncode == 1, result  # lr=1e10: the loss becomes NaN
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("ddpexp: error:")]
+    failed = "sweep/optim.lr=10000000000.0"
+    assert "loss became NaN" in error and f"logs in {failed}/logs" in error, error
+    assert f"run dir: {failed}  (exit code 1)" in result.stdout, result
+    assert "run dir: sweep/optim.lr=0.05\n" in result.stdout, result
+    good = tmp_path / "sweep" / "optim.lr=0.05"
+    m = metrics(good)
+    assert m["status"] == "completed" and m["attempts"] == 2 and m["final"]["step"] == 5, m
+    assert metrics(tmp_path / failed)["attempts"] == 2
+    logs = "".join(p.read_text() for p in (tmp_path / "sweep" / ".submitit").rglob("*_log.out"))
+    requeued = [line for line in logs.splitlines() if line.startswith("submitit") and "Requeued job" in line]
+    assert len(requeued) == 2, logs
+    reference = run_here(tmp_path, *QUICK, "trainer.max_steps=5", "optim.lr=0.05", "hydra.run.dir=ref")
+    assert reference.returncode == 0, reference
+    assert same_weights(good, tmp_path / "ref")
+
+
+def test_ctrl_c_under_submitit_stops_its_local_jobs_and_says_so_in_one_line(tmp_path: Path):
+    """Ctrl-C in a terminal reaches the submitting command and the jobs submitit started on this
+    machine (one process group): exit 130, one line that says where jobs go on (Slurm), nothing left."""
+    args = ["-m", "hydra/launcher=submitit_local", *QUICK, "trainer.epochs=500", "hydra.sweep.dir=sweep"]
+    cmd = [sys.executable, "-m", "ddpexp", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # a terminal's foreground process group
+    deadline = time.time() + 120
+    while not any(m["history"] for m in map(metrics, run_dirs(tmp_path / "sweep"))):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    # One line of ours. submitit's local executor runs a controller process of its own that prints its
+    # KeyboardInterrupt traceback to the same console (there is none on Slurm); none of it is ddpexp's.
+    lines = err.strip().splitlines()
+    assert lines[0] == runner.INTERRUPTED_REMOTE, err
+    assert not re.search(r'File ".*/ddpexp/[a-z_/]+\.py"', "\n".join(lines[1:])), err  # no frame of ours
+    _, alive = psutil.wait_procs(tree, timeout=10)  # the jobs stop as the command does, not before it
+    assert not alive, alive
+    (run_dir,) = run_dirs(tmp_path / "sweep")
+    assert metrics(run_dir)["status"] == "interrupted"
+
+
+def test_a_stale_rendezvous_file_in_the_run_dir_does_not_block_resume(tmp_path: Path):
+    """init=file after a crash leaves <run dir>/rendezvous behind; resuming that run removes it (the
+    run dir is claimed, so the file cannot belong to a live run) instead of refusing to start."""
+    args = ["strategy=ddp", *QUICK, "init=file", "checkpoint.every_steps=2", "hydra.run.dir=run"]
+    first = run_here(tmp_path, *args, "trainer.max_steps=2")
+    assert first.returncode == 0, first
+    (tmp_path / "run" / "rendezvous").write_bytes(b"\0" * 64)  # what a SIGKILLed run leaves
+    again = run_here(tmp_path, *args, "trainer.max_steps=4", "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert metrics(tmp_path / "run")["final"]["step"] == 4
+    assert not (tmp_path / "run" / "rendezvous").exists()

@@ -1,0 +1,209 @@
+"""The fault-injection suite, continued (helpers: tests/fault_harness.py): restarts that resume and end
+identical, and results that do not lie (failures recorded, refused runs, finished runs left alone)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import QUICK, RESUME, metrics, run_here, same_weights
+from .fault_harness import (
+    LONG,
+    Watched,
+    _nothing_outlives_its_test,  # noqa: F401  (autouse: kills what a case left running)
+    last_checkpoint_step,
+    run_dirs,
+)
+
+pytestmark = pytest.mark.multiproc
+
+
+# ------------------------------------------------------------------------------- restarts
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fault", "torchrun"),
+    [
+        ("ddp", "rank1:step45:kill", False),
+        ("single", "rank0:step45:raise", False),
+        ("ddp", "rank1:step45:kill", True),
+    ],
+    ids=["ddp-kill", "single-raise", "torchrun-ddp-kill"],
+)
+def test_a_restart_resumes_and_ends_identical_to_the_uninterrupted_run(
+    tmp_path: Path, uninterrupted, strategy: str, fault: str, torchrun: bool
+):
+    args = [f"strategy={strategy}", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"]
+    if not torchrun:
+        args.append("dist.max_restarts=1")
+    run = Watched(tmp_path, args, fault=fault, torchrun=torchrun)
+    code, out, err = run.finish(timeout=240)
+    assert code == 0, err
+    run.assert_nothing_left()
+    assert "step-00000040.pt" in out + err  # resumed from the newest checkpoint before the fault
+    if not torchrun:
+        assert "restarting the workers (1 of 1 restarts)" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # one run dir, however many attempts
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "completed" and m["attempts"] == 2
+    assert m["final"]["eval/acc"] == metrics(uninterrupted(strategy))["final"]["eval/acc"]
+    assert same_weights(tmp_path / "run", uninterrupted(strategy))
+
+
+def test_sigterm_to_every_process_with_checkpoint_on_signal_saves_then_resumes_identical(
+    tmp_path: Path, uninterrupted
+):
+    """What Slurm does before preempting a job: SIGTERM to every process of it. With
+    trainer.checkpoint_on_signal every rank saves at one step boundary, the run ends `preempted` with
+    exit 143, and the same command with trainer.resume=auto ends identical to an uninterrupted run."""
+    args = ["strategy=ddp", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"]
+    run = Watched(tmp_path, [*args, "trainer.checkpoint_on_signal=true"])
+    run.wait_until_training()
+    for pid in [run.proc.pid, *run.rank_of]:  # the launcher and both ranks
+        os.kill(pid, signal.SIGTERM)
+    code, out, err = run.finish()
+    assert code == 143, err
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    stopped_at = last_checkpoint_step(tmp_path / "run")
+    assert m["status"] == "preempted" and f"stopped by SIGTERM at step {stopped_at}" in m["error"], m
+    assert 32 < stopped_at < 70 and "with trainer.resume=auto" in out + err
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert metrics(tmp_path / "run")["status"] == "completed"
+    assert same_weights(tmp_path / "run", uninterrupted("ddp"))
+
+
+def test_without_restarts_a_failure_is_final(tmp_path: Path):
+    run = Watched(tmp_path, ["strategy=single", *LONG, "trainer.max_steps=20"], fault="rank0:step7:raise")
+    code, _out, err = run.finish()
+    assert code == 1 and "InjectedFault" in err and "restarting" not in err, err
+    assert metrics(tmp_path / "run")["status"] == "failed"
+    assert last_checkpoint_step(tmp_path / "run") == 5
+
+
+def test_a_full_disk_when_the_launcher_records_a_failure_is_said_once(tmp_path: Path, monkeypatch):
+    import errno
+
+    from ddpexp import recorder
+
+    def disk_full(path: Path, text: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    # The launcher's own metrics.json write only: the workers are processes of their own.
+    monkeypatch.setattr(recorder, "atomic_write_text", disk_full)
+    monkeypatch.setenv("DDPEXP_FAULT", "rank1:step3:raise")
+    result = run_here(tmp_path, "strategy=ddp", *QUICK, "trainer.max_steps=20", "hydra.run.dir=run")
+    assert result.returncode == 1, result
+    assert result.stderr.count("disk full") == 1 and "rank 1 of 2 failed: InjectedFault" in result.stderr
+    assert f"run dir: {tmp_path / 'run'}  (exit code 1)" in result.stdout, result
+
+
+# ------------------------------------------------------------------------------- results that lie
+
+
+def _strict_json(path: Path) -> dict:
+    """json.loads that refuses NaN/Infinity, as JSON.parse and most other readers do."""
+    import json
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} in {path}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_diverging_loss_fails_the_run_at_a_log_point(tmp_path: Path):
+    args = [*QUICK, "optim.lr=1e10", "trainer.log_every_steps=5", "trainer.max_steps=40"]
+    result = run_here(tmp_path, *args, "hydra.run.dir=run")
+    assert result.returncode == 1, result
+    assert "loss became NaN at step ~" in result.stderr and "optim.lr" in result.stderr
+    m = _strict_json(tmp_path / "run" / "metrics.json")
+    assert m["status"] == "failed" and "loss became NaN" in m["error"]
+    warned = run_here(tmp_path, *args, "trainer.on_nonfinite=warn", "hydra.run.dir=warned")
+    assert warned.returncode == 0, warned
+    m = _strict_json(tmp_path / "warned" / "metrics.json")  # strict JSON although the loss is NaN
+    assert (
+        m["status"] == "completed"
+        and m["final"]["train/epoch_loss"] is None
+        and "train/epoch_loss" in m["nonfinite"]
+    )
+
+
+def test_a_run_that_would_take_no_step_is_refused_not_completed(tmp_path: Path):
+    """digits does not say its size before loading: the worker refuses instead of 'completing' with
+    the initial weights (sources that know their size are refused in pre-flight, see test_cli)."""
+    result = run_here(tmp_path, "trainer.batch_size=4096", "trainer.progress=false", "hydra.run.dir=run")
+    assert result.returncode == 2, result
+    assert "no optimizer step at global batch 4096" in result.stdout + result.stderr
+    recorded = tmp_path / "run" / "metrics.json"
+    assert not recorded.exists() or _strict_json(recorded)["status"] != "completed"
+
+
+def _checksums(run_dir: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_resume_auto_never_changes_a_finished_run(tmp_path: Path):
+    """A refused resume (another model) leaves every byte as it was; resume=auto on a completed run
+    says so and exits 0, again without touching anything."""
+    args = [*QUICK, "trainer.max_steps=6", "trainer.log_every_steps=2", "hydra.run.dir=run"]
+    first = run_here(tmp_path, *args)
+    assert first.returncode == 0, first
+    before = _checksums(tmp_path / "run")
+    refused = run_here(tmp_path, *args, "model=toy", "trainer.resume=auto")
+    assert refused.returncode == 2 and "trainer.resume" in refused.stderr, refused
+    assert _checksums(tmp_path / "run") == before
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert "already complete" in again.stdout and "resumed" not in again.stdout + again.stderr
+    assert _checksums(tmp_path / "run") == before
+    more = run_here(
+        tmp_path, *[a for a in args if "max_steps" not in a], "trainer.max_steps=8", "trainer.resume=auto"
+    )
+    assert more.returncode == 0, more
+    assert metrics(tmp_path / "run")["final"]["step"] == 8  # asking for more steps does continue
+
+
+def test_ctrl_c_during_pre_flight_is_one_line_and_exit_130(tmp_path: Path):
+    """A sweep of 400 jobs keeps pre-flight busy composing and checking for several seconds."""
+    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,400)", *QUICK]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["ddpexp: interrupted before anything started"], err
+    assert not (tmp_path / "multirun").exists()
+
+
+def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):
+    """A sweep whose stdout was closed (its terminal or pipe gone) cannot print a job's run dir: that
+    must not turn SIGTERM into "stop this job, go on with the next" (an orphaned sweep ran on so)."""
+    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,40)", *QUICK, "hydra.sweep.dir=sweep"]
+    with open(tmp_path / "err.txt", "w") as err_file:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=err_file)
+    try:
+        proc.stdout.close()  # type: ignore[union-attr]  # nobody reads: the sweep's prints fail
+        deadline = time.time() + 120
+        while len(run_dirs(tmp_path / "sweep")) < 3:  # two jobs ended, their run dirs unprintable
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "err.txt").read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143, (tmp_path / "err.txt").read_text()
+    finally:
+        proc.kill()
+    statuses = sorted(metrics(d)["status"] for d in run_dirs(tmp_path / "sweep"))
+    assert statuses.count("interrupted") == 1 and statuses.count("running") == 0, statuses
+    assert len(statuses) <= 4, f"the sweep went on after SIGTERM: {len(statuses)} jobs"
