@@ -130,7 +130,7 @@ def console() -> None:
     except KeyboardInterrupt:  # Ctrl-C before any job started (pre-flight, imports): one line
         print("ddpexp: interrupted before anything started", file=sys.stderr)
         code = 130
-    from .launch.worker import exit_now
+    from .launch.leave import exit_now  # imports no torch: it may be half-imported
 
     exit_now(code)
 

@@ -427,3 +427,24 @@ def test_an_error_raised_while_ctrl_c_unwound_is_the_interrupt_not_a_refusal():
         raise UserError("bad", setting="model") from ValueError("bad")
     except UserError as plain:
         assert not interrupted_within(plain)
+
+
+def test_ctrl_c_while_torch_is_still_importing_is_one_line_and_exit_130(tmp_path: Path):
+    """Ctrl-C can land in the middle of `import torch` (the first seconds of a command on a busy
+    machine); torch is then half-imported and importing it again fails. The command must still say
+    one line and exit 130, so leaving may not import anything that imports torch (it did: a
+    traceback ending in "duplicate registrations for aten.linspace", exit 1)."""
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "from ddpexp import cli\n"
+        "def interrupted():\n"
+        "    sys.modules['torch'] = None  # what a torch import cut short leaves: importing it fails\n"
+        "    raise KeyboardInterrupt\n"
+        "cli.main = interrupted\n"
+        "cli.console()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "ddpexp: interrupted before anything started\n"

@@ -77,6 +77,6 @@ def console() -> None:
     except KeyboardInterrupt:
         print("ddpexp: interrupted before anything started", file=sys.stderr)
         code = 130
-    from ..launch.worker import exit_now
+    from ..launch.leave import exit_now  # imports no torch: it may be half-imported
 
     exit_now(code)

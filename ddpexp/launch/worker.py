@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..job import Job
 from .heartbeat import Heartbeat, Preempted
+from .leave import exit_now
 from .spawn import INIT_URL_ENV, WorkerSpec
 from .supervise import STACK_SIGNAL, Interrupted, error_file, forward_to_launcher, sigterm_raises
 
@@ -218,14 +219,3 @@ def main(job_dict: dict[str, Any], heartbeat: Heartbeat) -> None:
         url = os.environ.get(INIT_URL_ENV, "env://")
         code = run_guarded(lambda: execute(job, ctx, url=url), ctx)
     exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Flush and leave without the interpreter's teardown, which takes ~0.9 s once torch is loaded.
-    Everything the run writes is written and closed by now (multiprocessing ends its children the
-    same way)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
