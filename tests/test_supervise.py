@@ -69,3 +69,40 @@ def test_the_report_names_the_hung_rank_its_step_and_its_log(tmp_path: Path):
     rank, summary, _detail, user_error = sup._root_cause()
     assert (rank, user_error) == (0, False)
     assert summary == "hung at step 57 (no progress for 12 s); its stack is in logs/rank0.log"
+
+
+def test_a_second_sigterm_inside_the_first_s_handler_cannot_give_ranks_different_stop_steps(capsys):
+    """Slurm signals every process and the workers pass theirs on, so SIGTERMs reach the launcher in a
+    burst, and Python may run the handler again inside itself. Each run of it picked its own stop step
+    from the ranks' progress: on a loaded machine one rank was told step 36 and the other 37, they
+    saved at different steps and the run hung (seen under pytest-xdist). One decision per run."""
+    import signal
+
+    from ddpexp.launch.heartbeat import SIZE, STOP
+
+    cells = [[0.0] * SIZE for _ in range(2)]
+    workers = [
+        Worker(rank=r, proc=_Running(2**22 + r), log_path=Path(f"/x/logs/rank{r}.log"), pulse=Pulse(c, 0.0))
+        for r, c in enumerate(cells)
+    ]
+    sup = Supervisor(Path("/x"), workers, facts={}, checkpoint_on_signal=True)
+    for cell in cells:
+        Heartbeat(cell).beat(34)
+    first = workers[0].pulse
+    assert first is not None
+    told = first.request_stop
+
+    nested: list[int] = []
+
+    def interrupted(value: int, signum: int = 0) -> None:
+        told(value, signum)
+        if not nested:
+            nested.append(value)
+            for cell in cells:
+                Heartbeat(cell).beat(35)  # the ranks went on meanwhile
+            sup._on_signal(signal.SIGTERM, None)  # the next SIGTERM, handled inside this one
+
+    first.request_stop = interrupted  # type: ignore[method-assign]
+    sup._on_signal(signal.SIGTERM, None)
+    assert cells[0][STOP] == cells[1][STOP] > 34
+    assert capsys.readouterr().err.count("every rank saves a checkpoint") == 1

@@ -192,6 +192,10 @@ class Supervisor:
         self.hang: Hang | None = None
         self.checkpoint_on_signal = checkpoint_on_signal
         self.preempt: Preempt | None = None  # a checkpoint-then-stop under way
+        # Taken by the first checkpoint signal, never released: the stop step is decided once, even
+        # when the next signal of a burst runs the handler again inside itself (Python allows that;
+        # acquiring is one C call, so there is no gap between testing and taking it).
+        self._stop_decided = threading.Lock()
 
     def wait(self) -> int:
         caught = (
@@ -212,7 +216,8 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.checkpoint_on_signal and signum in CHECKPOINT_SIGNALS and self.signal_received is None:
-            if self.preempt is None:  # again (Slurm signals every process, workers pass theirs on): once
+            # again (Slurm signals every process, workers pass theirs on): once
+            if self._stop_decided.acquire(blocking=False):
                 self._checkpoint_then_stop(signum)
             return
         if self.signal_received is not None:  # second Ctrl-C: no more grace
