@@ -113,6 +113,18 @@ def hydra_conf():
     GlobalHydra.instance().clear()
 
 
+@pytest.fixture
+def world_of_one(tmp_path: Path):
+    """A gloo process group of one rank in this process, for in-process tests of collective code."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def parity_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every shipped strategy on the PARITY experiment, one sweep, made once per session: the reference

@@ -37,17 +37,6 @@ def test_a_meter_no_engine_steps_times_everything():
     assert meter.take() == (3.0, {"gradients": 8, "parameters": 0, "sync_bn": 0})
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize("every", [1, 4])
 def test_ddp_times_only_the_sampled_steps_and_counts_every_steps_bytes(every: int, monkeypatch):

@@ -95,17 +95,6 @@ def test_zero_checkpoints_hold_the_full_optimizer_state(parity_sweep: Path, runs
     assert [g["params"] for g in zero["optimizer"]["param_groups"]] == [list(range(6))]
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.usefixtures("world_of_one")
 def test_zero_follows_the_lr_schedule_and_its_state_round_trips():
     """ZeroRedundancyOptimizer under the LR schedule trains like the plain optimizer, and its
