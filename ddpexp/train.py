@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -54,36 +56,37 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         mode=trainer.mode,
         resuming=bool(trainer.resume),
     )
-    engine = Engine(
-        model=wrapped,
-        optimizer=optimizer,
-        train_loader=train_loader,
-        eval_loader=eval_loader,
-        recorder=recorder,
-        settings=settings,
-        device=ctx.device,
-        task=tasks.build(cfg.task),
-        scheduler=optim.build_schedule(optimizer, cfg.optim, steps),
-        started_at=ctx.job_started_at,
-        heartbeat=ctx.heartbeat,
-    )
-    fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt, job_pid=ctx.job_pid)
-    engine.on_step = fault.after_step if fault else None
-    engine.on_checkpoint = keeper = resume.CheckpointKeeper(
-        ctx=ctx,
-        strategy=strategy,
-        engine=engine,
-        recorder=recorder,
-        best=best,
-        keep_last_k=cfg.checkpoint.keep_last_k,
-        config=job.to_dict()["config"],
-        while_saving=fault.while_saving if fault else None,
-    )
-    if resumed is not None:
-        keeper.restore(resumed, train=trainer.mode == Mode.train)
-    if trainer.mode == Mode.eval:
-        return evaluate_only(engine, recorder)
-    return fit_and_record(engine, recorder, strategy)
+    with recorded_if_it_stops(recorder):  # from here on metrics.json exists, status running
+        engine = Engine(
+            model=wrapped,
+            optimizer=optimizer,
+            train_loader=train_loader,
+            eval_loader=eval_loader,
+            recorder=recorder,
+            settings=settings,
+            device=ctx.device,
+            task=tasks.build(cfg.task),
+            scheduler=optim.build_schedule(optimizer, cfg.optim, steps),
+            started_at=ctx.job_started_at,
+            heartbeat=ctx.heartbeat,
+        )
+        fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt, job_pid=ctx.job_pid)
+        engine.on_step = fault.after_step if fault else None
+        engine.on_checkpoint = keeper = resume.CheckpointKeeper(
+            ctx=ctx,
+            strategy=strategy,
+            engine=engine,
+            recorder=recorder,
+            best=best,
+            keep_last_k=cfg.checkpoint.keep_last_k,
+            config=job.to_dict()["config"],
+            while_saving=fault.while_saving if fault else None,
+        )
+        if resumed is not None:
+            keeper.restore(resumed, train=trainer.mode == Mode.train)
+        if trainer.mode == Mode.eval:
+            return evaluate_only(engine, recorder)
+        return fit_and_record(engine, recorder, strategy)
 
 
 def configure_determinism(enabled: bool) -> None:
@@ -163,24 +166,12 @@ def open_recorder(
     return Recorder(ctx.run_dir, facts=facts, progress=show, best=best, resume_step=purge_after)
 
 
-def evaluate_only(engine: Engine, recorder: NullRecorder) -> dict[str, float]:
+@contextlib.contextmanager
+def recorded_if_it_stops(recorder: NullRecorder) -> Iterator[None]:
+    """Whatever ends the run before it completes (Ctrl-C, SIGTERM, a preemption, an error), from
+    building the engine to the last save, metrics.json ends with the run's true status."""
     try:
-        values = engine.evaluate()
-    except BaseException as exc:
-        recorder.close("failed", error=repr(exc))
-        raise
-    recorder.epoch(epoch=engine.pos.epoch, epochs=engine.s.epochs, step=engine.step, values=values)
-    recorder.close("completed")
-    return values
-
-
-def fit_and_record(
-    engine: Engine, recorder: NullRecorder, strategy: strategies.Strategy[Any]
-) -> dict[str, float]:
-    """Run the engine; whatever happens, metrics.json ends with the run's true status."""
-    try:
-        result = engine.fit()
-        recorder.save_model(strategy.model_state(engine.model))  # every rank: sharded weights gather
+        yield
     except KeyboardInterrupt:
         with signals_ignored():  # a second Ctrl-C must not cut short the record of the first
             recorder.close("interrupted")
@@ -190,5 +181,20 @@ def fit_and_record(
         with signals_ignored():
             recorder.close(status, error=str(exc) if status == "preempted" else repr(exc))
         raise
+
+
+def evaluate_only(engine: Engine, recorder: NullRecorder) -> dict[str, float]:
+    values = engine.evaluate()
+    recorder.epoch(epoch=engine.pos.epoch, epochs=engine.s.epochs, step=engine.step, values=values)
+    recorder.close("completed")
+    return values
+
+
+def fit_and_record(
+    engine: Engine, recorder: NullRecorder, strategy: strategies.Strategy[Any]
+) -> dict[str, float]:
+    """Run the engine and save the model (within `recorded_if_it_stops`: how it stops is recorded)."""
+    result = engine.fit()
+    recorder.save_model(strategy.model_state(engine.model))  # every rank: sharded weights gather
     recorder.close("completed")
     return result

@@ -331,6 +331,28 @@ def test_less_common_settings_take_effect(tmp_path: Path):
     assert best["metrics"]["best"] == min(h["eval/loss"] for h in history)
 
 
+@pytest.mark.parametrize(
+    ("raised", "code", "status"), [("interrupted", 143, "interrupted"), ("error", 1, "failed")]
+)
+def test_a_run_stopped_between_opening_its_record_and_training_says_how_it_ended(
+    tmp_path: Path, monkeypatch, raised: str, code: int, status: str
+):
+    """metrics.json exists (status running) from the moment the recorder opens; a SIGTERM or an error
+    while the engine is still being built (or a checkpoint restored) must still end it with the true
+    status, not leave a run that says `running` forever (a SIGTERM to a sweep did, under load)."""
+    from ddpexp import train
+    from ddpexp.launch.supervise import Interrupted
+
+    def stopped(*args, **kwargs):
+        raise Interrupted(143) if raised == "interrupted" else RuntimeError("engine broke")  # 128 + SIGTERM
+
+    monkeypatch.setattr(train, "Engine", stopped)
+    result = run_here(tmp_path, *QUICK, "hydra.run.dir=run")
+    assert result.returncode == code, result
+    m = metrics(tmp_path / "run")
+    assert m["status"] == status and m["history"] == []
+
+
 # ------------------------------------------------------------------------- loss accounting, logging
 
 
