@@ -2,7 +2,7 @@
 #   make run    creates .venv on first use, then runs the default experiment
 #   make test   creates .venv on first use, then lint + type check + the test suite (what CI runs)
 PYTHON ?= python3
-# The suite in 2 pytest-xdist workers, a test file per worker at a time (files share fixtures): half
+# The suite in 2 pytest-xdist workers, a test file per worker at a time (files share fixtures): much
 # of its time is waiting (signals, timeouts, process start-up), so 2 workers on 2 cores overlap it.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 VENV ?= .venv

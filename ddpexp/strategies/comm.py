@@ -15,7 +15,8 @@ one optimizer step in k, the first of each epoch among them; the engine says whe
 the busy time of the epoch is estimated from it: busy time of the timed steps x steps / timed steps.
 Timing a DDP bucket costs a Python completion callback (and, on CUDA, a host synchronisation where a
 strategy times its own all-reduce); sampling keeps that off the other k-1 steps, whose collectives
-run untimed.
+run untimed. DDP's hook itself, being Python, still runs on every step: on a CPU that is most of the
+meter's cost (scripts/comm_meter_cost.py measures it).
 
 `Collective` and `Workload` (at the end) are what strategies describe their communication with for the
 cost model (`Strategy.communication`, ddpexp/predict.py): `Collective.counted` is what this module's
