@@ -18,7 +18,8 @@ TensorBoard tags (x axis = global optimizer step):
   mem/params_mb, mem/grads_mb, mem/optim_state_mb   bytes resident per rank by category, counted from
                       the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
   comm/time_per_step_s, comm/share, comm/bytes_per_step   communication (strategies with any)
-  comm/bytes_per_step/<kind>   gradients, parameters (all-gathers, pulls), sync_bn (statistics)
+  comm/bytes_per_step/<kind>   gradients, parameters (all-gathers, pulls, ZeRO's broadcasts), sync_bn
+                      (statistics), buffers (DDP's broadcast of BatchNorm statistics before each forward)
   hparams/*           the HParams view: settings from the start, status and metrics at the end
                       (ddpexp/hparams.py)
 

@@ -4,6 +4,7 @@ In-process (a gloo world of one): what a strategy's meter and the engine do toge
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,15 +27,49 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
     meter.record(99.0, 100.0, 1)  # after a step's end (e.g. a mid-epoch eval): counted, not timed
     busy, nbytes = meter.take()
     assert busy == pytest.approx(2 * 1.5 * 6 / 2)  # two timed steps of 1.5 s busy, scaled to six
-    assert nbytes == {"gradients": 601, "parameters": 0, "sync_bn": 48}
-    assert meter.take() == (0.0, {"gradients": 0, "parameters": 0, "sync_bn": 0})
+    assert nbytes == {"gradients": 601, "parameters": 0, "sync_bn": 48, "buffers": 0}
+    assert meter.take() == (0.0, {"gradients": 0, "parameters": 0, "sync_bn": 0, "buffers": 0})
 
 
 def test_a_meter_no_engine_steps_times_everything():
     meter = CommMeter()
     meter.record(0.0, 2.0, 4)
     meter.record(1.0, 3.0, 4)
-    assert meter.take() == (3.0, {"gradients": 8, "parameters": 0, "sync_bn": 0})
+    assert meter.take() == (3.0, {"gradients": 8, "parameters": 0, "sync_bn": 0, "buffers": 0})
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_ddp_s_buffer_broadcast_before_a_step_s_forward_is_metered_as_the_model_counts_it(accumulate: int):
+    """DDP re-sends rank 0's BatchNorm statistics before each training forward that synchronises
+    gradients (so once per optimizer step: not under no_sync): the meter counts them as buffers and
+    times them, and the cost model's count for the step is the same."""
+    from ddpexp.models.convnet import convnet
+    from ddpexp.strategies.comm import Workload, buffer_bytes_of, parameter_bytes
+    from ddpexp.strategies.ddp import DDP, DdpConfig, ddp_communication
+
+    torch.manual_seed(0)
+    model = convnet(channels=[4, 8], num_classes=10, input_shape=[1, 8, 8])
+    ctx: Any = SimpleNamespace(device=torch.device("cpu"))
+    wrapped = DDP().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
+    assert wrapped.comm is not None and wrapped.no_sync is not None
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    steps = 2
+    for _ in range(steps):
+        wrapped.comm.begin_step()
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            with wrapped.no_sync() if not last else contextlib.nullcontext():
+                torch.nn.functional.cross_entropy(wrapped.module(x), y).backward()
+        wrapped.comm.end_step()
+    busy, nbytes = wrapped.comm.take()
+    buffers = buffer_bytes_of(model)
+    assert buffers > 0 and nbytes["buffers"] == steps * buffers
+    assert nbytes["gradients"] == steps * parameter_bytes(model) and busy > 0
+    meta = convnet(channels=[4, 8], num_classes=10, input_shape=[1, 8, 8]).to("meta")
+    job = Workload(model=meta, devices=1, world=1, nodes=1, global_batch=6, accumulate=accumulate)
+    counted = {c.what: c.counted for c in ddp_communication(DdpConfig(), job=job)}
+    assert sum(counted.values()) == sum(nbytes.values()) / steps, counted
 
 
 @pytest.mark.usefixtures("world_of_one")

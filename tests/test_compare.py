@@ -71,16 +71,23 @@ def test_one_tensorboard_run_per_job_with_scalars_and_hparams(preset_sweep: Path
 
 
 @pytest.mark.multiproc
-def test_sync_bn_statistics_are_counted_as_communication_by_kind(preset_sweep: Path):
-    """SyncBN's all-reduces are communication too: counted in comm/bytes_per_step (and its time in
+def test_sync_bn_statistics_and_ddp_s_buffer_broadcast_are_counted_by_kind(preset_sweep: Path):
+    """SyncBN's all-reduces are communication too, and so is plain DDP's broadcast of rank 0's
+    BatchNorm statistics before each step's forward: counted in comm/bytes_per_step (and their time in
     comm/share), broken down by kind, and equal to what the cost model says they are."""
+    from ddpexp.models.convnet import convnet
     from ddpexp.predict import predicted_bytes
 
     sync = metrics(preset_sweep / "strategy=ddp_sync_bn")["final"]
     plain = metrics(preset_sweep / "strategy=ddp")["final"]
+    model = convnet(num_classes=10, input_shape=[1, 28, 28])
     assert "comm/bytes_per_step/sync_bn" not in plain
-    assert plain["comm/bytes_per_step/gradients"] == plain["comm/bytes_per_step"]
-    assert sync["comm/bytes_per_step/gradients"] == plain["comm/bytes_per_step"]  # the same gradients
+    assert plain["comm/bytes_per_step/buffers"] == sum(b.numel() * b.element_size() for b in model.buffers())
+    plain_total = plain["comm/bytes_per_step/gradients"] + plain["comm/bytes_per_step/buffers"]
+    assert plain["comm/bytes_per_step"] == pytest.approx(plain_total, rel=1e-12)
+    assert predicted_bytes(preset_sweep / "strategy=ddp") == pytest.approx(plain_total, rel=1e-6)
+    assert "comm/bytes_per_step/buffers" not in sync  # its statistics are global: DDP sends no buffers
+    assert sync["comm/bytes_per_step/gradients"] == plain["comm/bytes_per_step/gradients"]  # the same
     assert sync["comm/bytes_per_step/sync_bn"] > 0
     total = sync["comm/bytes_per_step/gradients"] + sync["comm/bytes_per_step/sync_bn"]
     assert sync["comm/bytes_per_step"] == pytest.approx(total, rel=1e-12)

@@ -105,16 +105,19 @@ def make_run(
 
 def test_byte_counts_equal_what_ddpexp_measured_for_the_convnet():
     """Against comm/bytes_per_step of real runs of the default experiment (the ConvNet on digits, gloo,
-    this VM): ddp and zero 116,136 at W=2 (README, with fp16/bf16 half of it and PowerSGD's rank-1
-    factors 8,820); fsdp at W=3 (global batch 48, 1 epoch) 174,032 without and 217,540 with
-    reshard_after_forward (FSDP2 pads dim 0 to a multiple of W: more than 1.5 and 2 x S/... of the
-    unpadded); ps at W=3 155,371 (README: 4/3 of 116,528 bytes of parameters and buffers)."""
+    this VM, 2 epochs): at W=2 ddp 116,536 (the gradients' 116,136 + the BatchNorm buffers' 400 DDP
+    broadcasts before each step), with fp16/bf16 58,468 and PowerSGD's rank-1 factors 9,220 (8,820 +
+    400), zero 232,672 (ddp's + every parameter broadcast from its owner); fsdp at W=3 (global batch 48,
+    1 epoch) 174,032 without and 217,540 with reshard_after_forward (FSDP2 pads dim 0 to a multiple of
+    W: more than 1.5 and 2 x S/... of the unpadded); ps at W=3 155,371 (README: 4/3 of 116,528 bytes of
+    parameters and buffers)."""
     measured = {
-        ("ddp", 2, ()): 116_136,
-        ("zero", 2, ()): 116_136,
-        ("ddp", 2, (("comm_hook", "bf16"),)): 58_068,
-        ("ddp", 2, (("comm_hook", "fp16"),)): 58_068,
-        ("ddp", 2, (("comm_hook", "powersgd"),)): 8_820,
+        ("ddp", 2, ()): 116_536,
+        ("zero", 2, ()): 232_672,
+        ("ddp", 2, (("comm_hook", "bf16"),)): 58_468,
+        ("ddp", 2, (("comm_hook", "fp16"),)): 58_468,
+        ("ddp", 2, (("comm_hook", "powersgd"),)): 9_220,
+        ("zero", 2, (("comm_hook", "bf16"),)): 174_604,
         ("fsdp", 3, (("reshard_after_forward", False),)): 174_032,
         ("fsdp", 3, (("reshard_after_forward", True),)): 217_540,
         ("ps", 3, ()): 155_371,
@@ -131,12 +134,20 @@ def test_ring_counts_what_each_rank_sends_and_collective_the_buffer():
         )
 
 
-def test_unmetered_communication_is_modelled_but_not_counted():
-    """zero's parameter broadcast and DDP's buffer broadcast cost time but are not in comm/bytes_per_step."""
+def test_ddp_s_buffer_broadcast_and_zero_s_parameter_broadcast_are_counted():
+    """zero broadcasts every parameter from its owner after the step, and DDP rank 0's BatchNorm
+    buffers before the step's forward: both are metered, so both are in the count."""
+    buffers = sum(b.numel() * b.element_size() for b in meta_convnet().buffers())
+    ddp = communication("ddp", 4)
+    assert [c.op for c in ddp] == ["all_reduce", "broadcast"]
+    assert ddp[1].counted == ddp[1].bytes == buffers > 0
+    assert counted("ddp", 4) == S + buffers
     zero = communication("zero", 4)
     assert [c.op for c in zero] == ["all_reduce", "broadcast", "broadcast"]
-    assert zero[2].bytes == S and zero[2].counted == 0  # every parameter once, from its owner
-    assert sum(c.counted for c in zero) == counted("ddp", 4)
+    assert zero[2].bytes == zero[2].counted == S and zero[2].calls == 4  # every parameter, from its owner
+    assert counted("zero", 4) == counted("ddp", 4) + S
+    # with sync_bn the statistics are global already: DDP broadcasts no buffers
+    assert [c.op for c in communication("ddp", 4, sync_bn=True)] == ["all_reduce", "all_reduce"]
 
 
 # ------------------------------------------------------------------------------------------ (3) formulas

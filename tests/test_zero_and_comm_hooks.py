@@ -52,8 +52,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _bytes_per_step(run_dir: Path) -> float:
-    return float(metrics(run_dir)["final"]["comm/bytes_per_step"])
+def _bytes_per_step(run_dir: Path, kind: str = "") -> float:
+    """comm/bytes_per_step, or its part of one kind (comm/bytes_per_step/gradients...)."""
+    return float(metrics(run_dir)["final"]["comm/bytes_per_step" + (f"/{kind}" if kind else "")])
 
 
 # ------------------------------------------------------------------------------------------ zero
@@ -74,8 +75,12 @@ def test_zero_trains_like_single_and_shards_only_the_optimizer_state(parity_swee
     full = round(ddp_ranks[0]["mem/optim_state_mb"] * MB)
     shards = [round(r["mem/optim_state_mb"] * MB) for r in zero_ranks]
     assert sum(shards) == full and all(0 < s < full for s in shards), (shards, full)
-    # ZeRO moves the same gradients as ddp.
-    assert _bytes_per_step(runs["zero"]) == _bytes_per_step(parity_sweep / "strategy=ddp")
+    # ZeRO moves the same gradients as ddp, and then broadcasts every parameter once from its owner.
+    zero_sent = metrics(runs["zero"])["final"]
+    ddp_sent = metrics(parity_sweep / "strategy=ddp")["final"]
+    assert zero_sent["comm/bytes_per_step/gradients"] == ddp_sent["comm/bytes_per_step"]
+    every_parameter = sum(v.numel() * v.element_size() for v in single.values() if v.is_floating_point())
+    assert zero_sent["comm/bytes_per_step/parameters"] == every_parameter
     # The cost model (Zero.communication / DDP.communication, what ddpexp-predict uses) counts them.
     for run in (runs["zero"], parity_sweep / "strategy=ddp", runs["ddp-bf16"], runs["zero-bf16"]):
         assert predicted_bytes(run) == pytest.approx(_bytes_per_step(run), rel=0.01), run.name
@@ -258,7 +263,7 @@ def test_fp16_and_bf16_hooks_stay_close_to_ddp_and_halve_the_bytes(parity_sweep:
     # zero and ddp_mp take the same hook: the same bytes, and (nearly) the same weights as ddp's bf16.
     bf16 = _weights(runs["ddp-bf16"])
     for run, reference in (("zero-bf16", ddp), ("ddp_mp-bf16", parity_sweep / "strategy=ddp_mp")):
-        assert _bytes_per_step(runs[run]) * 2 == _bytes_per_step(reference), run
+        assert _bytes_per_step(runs[run], "gradients") * 2 == _bytes_per_step(reference, "gradients"), run
         weights = _weights(runs[run])
         for name, value in bf16.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=(run, name))
@@ -284,6 +289,6 @@ def test_powersgd_reaches_95_percent_on_digits_sending_its_rank_1_factors(tmp_pa
     low_rank = _powersgd_bytes(shapes, rank=1)
     assert (full, low_rank) == (116_136, 8_820)  # 13.2x fewer bytes
     steps = m["history"][0]["step"]  # steps in epoch 1: the first 10 are uncompressed
-    history = [h["comm/bytes_per_step"] for h in m["history"]]
+    history = [h["comm/bytes_per_step/gradients"] for h in m["history"]]
     assert history[0] == pytest.approx((10 * full + (steps - 10) * low_rank) / steps, rel=1e-12)
     assert history[1:] == [low_rank] * 3

@@ -5,7 +5,9 @@ compression hook strategy.comm_hook chose) in `timed_hook`, which records, per b
 from the hook's call to the reduction's completion callback, and the bytes of the tensors that hook
 all-reduces for the bucket (the payload each rank contributes, not a ring's 2(W-1)/W wire traffic), so
 compression shows as fewer bytes. naive_allreduce times its own all-reduce calls. fsdp wraps the
-all-gathers and reduce-scatters of its units (`fsdp.metered_collectives`). Overlapping
+all-gathers and reduce-scatters of its units (`fsdp.metered_collectives`). DDP's broadcast of the
+buffers before each forward and ZeroRedundancyOptimizer's broadcast of the updated parameters after each
+step are synchronous, and `timed_call` times them where DDP and ZeRO issue them. Overlapping
 intervals (buckets in flight together) are merged, so the busy time is wall-clock time during which at
 least one reduction was running; with DDP much of it overlaps the backward pass. On CUDA the completion
 callback is when the host learns of completion, so the times are host-observed.
@@ -36,8 +38,9 @@ import torch
 from torch import nn
 
 # What the bytes were: gradients (DDP buckets, reduce-scatters, pushes to a server), parameters
-# (all-gathers, pulls from a server) and synchronized BatchNorm's statistics.
-KINDS = ("gradients", "parameters", "sync_bn")
+# (all-gathers, pulls from a server, ZeRO's broadcasts of the updated shards), synchronized BatchNorm's
+# statistics, and buffers (DDP's broadcast of rank 0's BatchNorm statistics before each forward).
+KINDS = ("gradients", "parameters", "sync_bn", "buffers")
 
 
 class CommMeter:
@@ -109,6 +112,19 @@ def record_when_done(meter: CommMeter, work: Any, start: float, nbytes: int, kin
         meter.interval(start, time.perf_counter())
 
     work.get_future().then(done)
+
+
+def timed_call(meter: CommMeter, inner: Callable[..., Any], nbytes: Callable[[], int], kind: str) -> Any:
+    """`inner` (a synchronous collective, e.g. a bound method that broadcasts), its bytes counted with
+    `nbytes()` on every call and its time recorded on the steps the meter times."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        meter.record(start, time.perf_counter(), nbytes(), kind)
+        return out
+
+    return call
 
 
 # A function of a DDP GradBucket: the bytes of the tensors a hook all-reduces for it.

@@ -39,6 +39,7 @@ from .comm import (
     parameter_bytes,
     powersgd_bytes,
     powersgd_elements,
+    timed_call,
     timed_hook,
 )
 
@@ -134,8 +135,10 @@ def ddp_communication(settings: DdpConfig, *, job: Workload) -> list[Collective]
       NCCL, so there nothing hides behind backward). PowerSGD's own compute (its orthogonalisation)
       is not communication and is not modelled.
     - with sync_bn, the BatchNorm statistics' all-reduces (`syncbn.communication`);
-    - the buffers (BatchNorm statistics) broadcast from rank 0 before every forward, where DDP re-sends
-      them (broadcast_buffers: on unless sync_bn); not metered.
+    - the buffers (BatchNorm statistics) broadcast from rank 0 before the forward of the micro-batch
+      that synchronises gradients (not under no_sync: DDP syncs buffers only where it syncs gradients),
+      where DDP re-sends them (broadcast_buffers: on unless sync_bn); metered (`meter_buffer_broadcast`,
+      kind buffers).
     """
     model = job.model
     full = parameter_bytes(model)
@@ -167,11 +170,11 @@ def ddp_communication(settings: DdpConfig, *, job: Workload) -> list[Collective]
     if sync_buffers and buffers:
         out.append(
             Collective(
-                "buffer broadcast before each forward (not metered)",
+                "buffer broadcast before the step's last forward",
                 "broadcast",
-                float(buffers * job.accumulate),
+                float(buffers),
                 job.world,
-                calls=job.accumulate,
+                counted=float(buffers),
                 inter_node=spans,
             )
         )
@@ -242,7 +245,24 @@ def register_comm_hook(
         return None
     meter = CommMeter()
     ddp.register_comm_hook(state, timed_hook(meter, hook, sent))
+    meter_buffer_broadcast(ddp, meter)
     return meter
+
+
+def meter_buffer_broadcast(ddp: DistributedDataParallel, meter: CommMeter) -> None:
+    """Count and time the broadcast of rank 0's buffers (BatchNorm statistics) that DDP issues before
+    each forward that will synchronise gradients (broadcast_buffers; none under no_sync). DDP sends it,
+    synchronously, through `_default_broadcast_coalesced` (its broadcast when it was built ran before
+    this): wrapped on this instance, every one is seen."""
+    inner = getattr(ddp, "_default_broadcast_coalesced", None)
+    if inner is None:  # a torch whose DDP broadcasts otherwise: leave it unmetered, and say so
+        log.warning("this torch's DDP has no _default_broadcast_coalesced: its buffer broadcast is unmetered")
+        return
+
+    def nbytes() -> int:
+        return sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+
+    ddp._default_broadcast_coalesced = timed_call(meter, inner, nbytes, "buffers")  # type: ignore[method-assign]
 
 
 def _nccl(ddp: DistributedDataParallel) -> bool:

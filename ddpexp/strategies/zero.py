@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import MakeOptimizer, Wrapped, register
-from .comm import Collective, Workload, parameter_bytes
+from .comm import Collective, Workload, timed_call
 from .ddp import DDP, DdpConfig, ddp_communication, warn_powersgd_restarts
 
 if TYPE_CHECKING:
@@ -39,7 +39,14 @@ class Zero(DDP):
 
         # The class and settings optim.* chose, built on this rank's shard of the parameters only.
         params = list(wrapped.base.parameters())
-        return ZeroRedundancyOptimizer(params, optimizer_class=make.cls, **make.kwargs)
+        zero = ZeroRedundancyOptimizer(params, optimizer_class=make.cls, **make.kwargs)
+        if wrapped.comm is not None and zero.world_size > 1:
+            # step() ends with _sync_params, each owner broadcasting its updated parameters and waiting
+            # for all: every parameter it was given once per step, counted like an all-gather's.
+            sent = all_parameter_bytes(wrapped.base)
+            sync = timed_call(wrapped.comm, zero._sync_params, lambda: sent, "parameters")  # type: ignore[attr-defined]
+            zero._sync_params = sync  # type: ignore[attr-defined]
+        return zero
 
     def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         zero = _zero(optimizer)
@@ -59,19 +66,25 @@ class Zero(DDP):
         `_sync_params` after every step: each rank broadcasts the parameters it owns to the others
         (parameter by parameter, asynchronously, waited for at the end of step()), so every parameter
         once, in fp32, from its owner: W broadcasts of about S/W each, after the backward pass, nothing
-        to hide behind. Not metered (comm/bytes_per_step counts the all-reduce only)."""
+        to hide behind. Metered as parameters (comm/bytes_per_step/parameters = S)."""
         world = job.world
         if world < 2:
             return ddp_communication(settings, job=job)
         sync = Collective(
-            "parameter broadcast from each owner after the step (not metered)",
+            "parameter broadcast from each owner after the step",
             "broadcast",
-            float(parameter_bytes(job.model)),
+            float(all_parameter_bytes(job.model)),
             world,
             calls=world,
+            counted=float(all_parameter_bytes(job.model)),
             inter_node=job.spans_nodes(world),
         )
         return [*ddp_communication(settings, job=job), sync]
+
+
+def all_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter, frozen ones too: ZeRO is given them all, and broadcasts them all."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _zero(optimizer: torch.optim.Optimizer) -> Any:
