@@ -5,6 +5,7 @@ error in percent. The prediction for every size reads only the single run and th
 
     python scripts/predict_vs_measured.py                       # digits, ddp and fsdp at W = 2, 3, 4
     python scripts/predict_vs_measured.py --strategies ddp,zero,fsdp --epochs 5 --commbench FILE
+    python scripts/predict_vs_measured.py --repeats 3          # medians over 3 rounds, with ranges
 
 Every run gets trainer.threads=1: the model assumes compute scales with the cores a process gets, which
 intra-op threads do not do perfectly; with one thread per process everywhere that question stays out
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ddpexp
@@ -68,6 +71,7 @@ def main() -> int:
     p.add_argument("--worlds", default="2,3,4", help="process counts")
     p.add_argument("--epochs", type=int, default=3, help="epochs per run (the first is left out)")
     p.add_argument("--batch", type=int, default=48, help="global batch (a multiple of every world size)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn (medians + ranges)")
     p.add_argument("--commbench", type=Path, help="a commbench.json to use instead of measuring one")
     p.add_argument("--interconnect", help="a profile to use instead of a commbench (e.g. localhost_gloo)")
     args = p.parse_args()
@@ -80,41 +84,68 @@ def main() -> int:
         f"runs in {args.out}"
     )
 
-    single = train(args.out, "single", ["strategy=single", *common])
     source: dict[str, object] = {"interconnect": args.interconnect}
     if args.interconnect is None:
         bench = args.commbench or commbench(args.out, min(worlds))
         source = {"commbench": bench} if bench else {"interconnect": "localhost_gloo"}
     print(f"fabric: {make_fabric(**source).name}")  # type: ignore[arg-type]
 
-    rows = []
-    for strategy in strategies:
-        predictor = Predictor.build(single.path, strategy=strategy, **source)  # type: ignore[arg-type]
-        for world in worlds:
-            measured = train(
-                args.out, f"{strategy}-{world}", [f"strategy={strategy}", f"dist.nprocs={world}", *common]
-            )
-            point = predictor.point(world)
-            step = measured.mean("perf/step_time_s")
-            rows.append(
-                (
-                    strategy,
-                    world,
+    # Each round: a single run, then every strategy at every size, each predicted from that round's
+    # single run; so drifting machine load hits a prediction and its measurement alike.
+    rounds: list[dict[tuple[str, int], Row]] = []
+    singles = []
+    for r in range(args.repeats):
+        tag = f"-r{r}" if args.repeats > 1 else ""
+        single = train(args.out, f"single{tag}", ["strategy=single", *common])
+        singles.append(single.mean("perf/step_time_s"))
+        rows: dict[tuple[str, int], Row] = {}
+        for strategy in strategies:
+            predictor = Predictor.build(single.path, strategy=strategy, **source)  # type: ignore[arg-type]
+            for world in worlds:
+                measured = train(
+                    args.out,
+                    f"{strategy}-{world}{tag}",
+                    [f"strategy={strategy}", f"dist.nprocs={world}", *common],
+                )
+                point = predictor.point(world)
+                rows[(strategy, world)] = Row(
                     point.step_s,
-                    step,
-                    point.samples_per_s,
-                    measured.mean("perf/samples_per_s"),
+                    measured.mean("perf/step_time_s"),
                     point.counted_bytes,
                     float(measured.final.get("comm/bytes_per_step", 0.0)),
                     point.exposed_s,
                     measured.mean("comm/time_per_step_s"),
                 )
-            )
+        rounds.append(rows)
     print(
         f"\nload average {os.getloadavg()[0]:.2f} at the end; single: "
-        f"{single.mean('perf/step_time_s') * 1e3:.2f} "
-        f"ms/step, {single.mean('perf/samples_per_s'):,.0f} samples/s (epochs after the first)\n"
+        f"{statistics.median(singles) * 1e3:.2f} ms/step{spread(singles, 1e3)} (epochs after the first)\n"
     )
+    print(render(rounds, args.batch))
+    print(
+        "\nerr = (predicted - measured) / measured, of the medians over rounds; in brackets, with several "
+        "rounds, the smallest and largest error of one round (each prediction against its own round's "
+        "measurement). comm ms meas is the metered busy time per step (it includes waiting for the "
+        "slowest rank); exposed pred is what the model says the step waits for."
+    )
+    return 0
+
+
+@dataclass(frozen=True)
+class Row:
+    step_pred: float
+    step_meas: float
+    bytes_pred: float
+    bytes_meas: float
+    exposed_pred: float
+    comm_meas: float
+
+
+def spread(values: list[float], scale: float) -> str:
+    return f" ({min(values) * scale:.2f}-{max(values) * scale:.2f})" if len(values) > 1 else ""
+
+
+def render(rounds: list[dict[tuple[str, int], Row]], batch: int) -> str:
     header = (
         "strategy",
         "W",
@@ -123,38 +154,37 @@ def main() -> int:
         "err",
         "samples/s pred",
         "meas",
-        "err",
         "bytes/step pred",
         "meas",
         "comm ms exposed pred",
         "comm ms meas",
     )
     table = [header]
-    for s, w, ps, ms, pt, mt, pb, mb, pe, mc in rows:
+    for key in rounds[0]:
+        rows = [r[key] for r in rounds]
+        pred = statistics.median(r.step_pred for r in rows)
+        meas = statistics.median(r.step_meas for r in rows)
+        errors = [(r.step_pred - r.step_meas) / r.step_meas for r in rows]
+        err = f"{(pred - meas) / meas:+.0%}"
+        if len(rows) > 1:
+            err += f" ({min(errors):+.0%} to {max(errors):+.0%})"
         table.append(
             (
-                s,
-                str(w),
-                f"{ps * 1e3:.2f}",
-                f"{ms * 1e3:.2f}",
-                f"{(ps - ms) / ms:+.0%}",
-                f"{pt:,.0f}",
-                f"{mt:,.0f}",
-                f"{(pt - mt) / mt:+.0%}",
-                f"{pb:,.0f}",
-                f"{mb:,.0f}",
-                f"{pe * 1e3:.2f}",
-                f"{mc * 1e3:.2f}",
+                key[0],
+                str(key[1]),
+                f"{pred * 1e3:.2f}",
+                f"{meas * 1e3:.2f}" + spread([r.step_meas for r in rows], 1e3),
+                err,
+                f"{batch / pred:,.0f}",
+                f"{batch / meas:,.0f}",
+                f"{statistics.median(r.bytes_pred for r in rows):,.0f}",
+                f"{statistics.median(r.bytes_meas for r in rows):,.0f}",
+                f"{statistics.median(r.exposed_pred for r in rows) * 1e3:.2f}",
+                f"{statistics.median(r.comm_meas for r in rows) * 1e3:.2f}",
             )
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(c.rjust(wd) for c, wd in zip(row, widths, strict=True)))
-    print(
-        "\nerr = (predicted - measured) / measured. comm ms meas is the metered busy time per step (it "
-        "includes waiting for the slowest rank); exposed pred is what the model says the step waits for."
-    )
-    return 0
+    return "\n".join("  ".join(c.rjust(wd) for c, wd in zip(row, widths, strict=True)) for row in table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""Where a DDP step's time goes on a CPU host, added one piece at a time, for the cost model's misses.
+
+The default ConvNet on 28x28 inputs (digits as ddpexp runs it), SGD with momentum, 1 thread per
+process, synthetic batches; each variant is run --repeats times in turn, fresh processes each time:
+
+  alone     one process, the global batch              (the single run the cost model reads)
+  alone/W   one process, the per-rank batch            (does compute divide with the batch?)
+  side      W processes of the per-rank batch, no communication     (sharing the host's cores)
+  allreduce the same, plus one blocking all-reduce of all gradients after backward, by hand
+  ddp       DistributedDataParallel (bucketed all-reduce from autograd hooks, buffers broadcast)
+
+    python scripts/ddp_step_breakdown.py                 # W = 2, global batch 48, 3 repeats
+    python scripts/ddp_step_breakdown.py --world 4 --batch 48
+
+A step's time is the median over steps after a warm-up; with W processes, the slowest rank's (they
+run in lockstep once they communicate). Prints every repeat, then the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from ddpexp.models.convnet import convnet
+
+VARIANTS = ("alone", "alone/W", "side", "allreduce", "ddp")
+
+
+def rank_main(rank: int, world: int, batch: int, variant: str, init: str, steps: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    talks = variant in ("allreduce", "ddp")
+    if talks:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model: torch.nn.Module = convnet(channels=[16, 32], num_classes=10, input_shape=[1, 28, 28])
+    if variant == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if variant == "allreduce":
+            flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            dist.all_reduce(flat)
+        optimizer.step()
+        if step >= steps // 5:  # the first fifth warms up
+            times.append(time.perf_counter() - start)
+    out.put(statistics.median(times))
+    if talks:
+        dist.destroy_process_group()
+
+
+def measure(variant: str, world: int, global_batch: int, steps: int) -> float:
+    """The slowest rank's median step time in ms."""
+    processes = 1 if variant.startswith("alone") else world
+    batch = global_batch if variant == "alone" else global_batch // world
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        procs = [
+            ctx.Process(target=rank_main, args=(r, processes, batch, variant, init, steps, out))
+            for r in range(processes)
+        ]
+        for p in procs:
+            p.start()
+        medians = [out.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise SystemExit(f"{variant}: a process exited with {p.exitcode}")
+    return max(medians) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--batch", type=int, default=48, help="global batch (a multiple of --world)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=100)
+    args = p.parse_args()
+    if args.batch % args.world:
+        p.error("--batch must be a multiple of --world")
+    results: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            results[variant].append(measure(variant, args.world, args.batch, args.steps))
+    per_rank = args.batch // args.world
+    print(f"W={args.world}, global batch {args.batch} ({per_rank} per rank), step ms: repeats -> median")
+    for variant, ms in results.items():
+        label = variant.replace("/W", f"/{args.world}")
+        runs = " ".join(f"{m:6.2f}" for m in ms)
+        print(f"  {label:<10} {runs}  -> {statistics.median(ms):6.2f}")
+
+
+if __name__ == "__main__":
+    main()
