@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -195,9 +196,19 @@ def rounds_in_turn(loops: dict[str, Callable[[int], float]], rounds: int) -> dic
 def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     """One rank of --world: ddpexp's Engine on its ddp strategy (meter on and off) against DDP + the
     hand loop, every rank running the same loop in the same round."""
+    torch.set_num_threads(intra_op_threads(None, args.world, os.environ))  # ddpexp's default rule
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=args.world)
+    _ddp_rounds(rank, args, tmp)
+    # Free the DDP modules (their reducers sit in reference cycles holding the process group) and let
+    # every rank get here before tearing gloo down, as ddpexp.distributed.finish does: otherwise a rank
+    # now and then aborts at exit ("terminate called without an active exception").
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ddp_rounds(rank: int, args: argparse.Namespace, tmp: str) -> None:
     world = args.world
-    torch.set_num_threads(intra_op_threads(None, world, os.environ))  # ddpexp's default rule
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     _, train, evals, base = setup(args, rank=rank, world=world)
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that DDP.wrap reads of the context
     variants = {  # name: (measure_comm, time_comm_every_steps)
@@ -248,7 +259,6 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
             out |= {f"{name}_vs_hand": statistics.median(r), f"{name}_vs_hand_range": [min(r), max(r)]}
         out["rounds"] = args.rounds
         Path(tmp, "result.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ model's loss on the first 256 training samples (after timing: the twins of one l
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -140,6 +141,12 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
         out["peak_mb"] = float(peak)
         out["final_loss"] = final_loss
     if world > 1:
+        # DDP's reducer sits in reference cycles that hold the process group: free it, and let every
+        # rank get here, before tearing gloo down. Otherwise a rank now and then aborts at exit
+        # ("terminate called without an active exception") while its peer still talks to it.
+        del model, opt
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -127,3 +127,18 @@ def test_the_meter_cost_script_measures_every_variant_against_plain_ddp(monkeypa
     out = comm_meter_cost.measure(rounds=1, steps=3)
     assert out["hand_us_per_step"] > 0 and out["time_comm_every_steps"] == 10
     assert {"every_extra_us", "sampled_extra_us", "pyhook_extra_us", "quiet_extra_us"} <= set(out)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_ddp_step_breakdown_script_runs_every_variant(monkeypatch):
+    """scripts/ddp_step_breakdown.py (the README's breakdown of where the cost model misses): each
+    variant's step, in-process in a world of one."""
+    import queue
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
+    import ddp_step_breakdown
+
+    out: queue.Queue[float] = queue.Queue()
+    for variant in ddp_step_breakdown.VARIANTS:
+        ddp_step_breakdown.rank_main(0, 1, 4, variant, "unused", 5, out)
+        assert out.get_nowait() > 0, variant
