@@ -210,7 +210,8 @@ def main() -> None:
         print(
             f"{model:<8} {r['ddpexp']:>10,.0f} / {r['hand']:>10,.0f} samples/s = {r['ratio']:.3f} "
             f"(rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}); vs bare: ddpexp {r['ddpexp_vs_bare']:.3f}, "
-            f"hand {r['hand_vs_bare']:.3f}; ddpexp vs DataLoader loop {r['ddpexp_vs_loader']:.2f}"
+            f"hand {r['hand_vs_bare']:.3f}; ddpexp vs DataLoader loop {r['ddpexp_vs_loader']:.2f}, "
+            f"ddpexp on its DataLoader path vs it {r['ddpexp_loader_vs_loader']:.2f}"
         )
     if "ddp" in strategies.split(","):
         print()

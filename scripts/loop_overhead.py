@@ -11,11 +11,13 @@ the same machine state; the median of the per-round ratios is the framework's lo
            what reading each epoch's fresh batches costs, whoever writes the loop
   loader   the hand loop over the tutorials' DataLoader + DistributedSampler (shuffle, set_epoch):
            ddpexp / loader is what device-resident batching gains over it
+  ddpexp_loader  ddpexp's Engine over its own DataLoader path (loader.mode=dataloader):
+           ddpexp_loader / loader is the framework's overhead on that path
 
     python scripts/loop_overhead.py --model mlp64 --rounds 9
 
 Prints one JSON line: median samples/s of each, and the median per-round ratios ddpexp / hand (with
-its range), ddpexp / bare, hand / bare and ddpexp / loader.
+its range), ddpexp / bare, hand / bare, ddpexp / loader and ddpexp_loader / loader.
 
 With --world N (gloo on CPU, N processes, threads per process = cores / N, the global batch split
 among them) the same comparison for DDP, inside the ranks, every rank running the same loop at the
@@ -80,10 +82,12 @@ def main() -> None:
             print(Path(tmp, "result.json").read_text())
         return
     splits, train, evals, ours = setup(args, rank=0, world=1)
-    hand, bare, tut = copy.deepcopy(ours), copy.deepcopy(ours), copy.deepcopy(ours)
-    opt_ours, opt_hand, opt_bare, opt_tut = (
-        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, hand, bare, tut)
+    hand, bare, tut, ours_dl = (copy.deepcopy(ours) for _ in range(4))
+    opt_ours, opt_hand, opt_bare, opt_tut, opt_ours_dl = (
+        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ours, hand, bare, tut, ours_dl)
     )
+    kw = dict(batch_size=args.batch_size, rank=0, world=1, seed=0, device=torch.device("cpu"))
+    train_dl = loaders.build(splits.train, mode="dataloader", train=True, **kw)
     sampler = DistributedSampler(splits.train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     tutorial = DataLoader(splits.train.dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     settings = LoopSettings(
@@ -95,6 +99,10 @@ def main() -> None:
         def run_ddpexp(epoch: int) -> float:
             plain = Wrapped(module=ours, base=ours)
             return engine_epoch(plain, opt_ours, train, evals, recorder, settings, epoch)
+
+        def run_ddpexp_loader(epoch: int) -> float:
+            plain = Wrapped(module=ours_dl, base=ours_dl)
+            return engine_epoch(plain, opt_ours_dl, train_dl, evals, recorder, settings, epoch)
 
         def timed(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch]) -> float:
             return hand_epoch(model, opt, batches, args.batch_size)
@@ -112,7 +120,13 @@ def main() -> None:
             sampler.set_epoch(epoch)
             return timed(tut, opt_tut, tutorial)
 
-        loops = {"ddpexp": run_ddpexp, "hand": run_hand, "bare": run_bare, "loader": run_loader}
+        loops = {
+            "ddpexp": run_ddpexp,
+            "hand": run_hand,
+            "bare": run_bare,
+            "loader": run_loader,
+            "ddpexp_loader": run_ddpexp_loader,
+        }
         speeds = rounds_in_turn(loops, args.rounds)
         recorder.close("completed")
 
@@ -122,6 +136,7 @@ def main() -> None:
     out |= {"ddpexp_vs_bare": statistics.median(per_round(speeds, "ddpexp", "bare"))}
     out |= {"hand_vs_bare": statistics.median(per_round(speeds, "hand", "bare"))}
     out |= {"ddpexp_vs_loader": statistics.median(per_round(speeds, "ddpexp", "loader"))}
+    out |= {"ddpexp_loader_vs_loader": statistics.median(per_round(speeds, "ddpexp_loader", "loader"))}
     out["rounds"] = args.rounds
     print(json.dumps(out))
 
