@@ -32,6 +32,7 @@ equal stages and free communication.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -40,7 +41,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..config import StrategyConfig
 from ..errors import UserError, require_positive
@@ -310,7 +310,9 @@ class StageRunner(nn.Module):
         self.scale = 1.0
         self.losses: list[torch.Tensor] = []
         self.task_loss: Callable[[], Loss | None] = lambda: None
-        stage = TimedStage(
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        stage = timed_stage_class()(
             self.part, self.stage, stages, self.device, group=self.pipe_group, timer=self.timer
         )
         kind = ScheduleGPipe if settings.schedule == Schedule("gpipe") else Schedule1F1B
@@ -413,20 +415,29 @@ class StageRunner(nn.Module):
         return None
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage that adds the time of its forward and backward computations to `timer`."""
+@functools.cache
+def timed_stage_class() -> type:
+    """TimedStage, made on first use: torch.distributed.pipelining takes about 1.3 s to import (it
+    pulls in torch._dynamo and DTensor), which every process of every run would otherwise pay at
+    start-up, since the strategy registry imports this module whatever the strategy."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def __init__(self, *args: Any, timer: StageTimer, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.timer = timer
+    class TimedStage(PipelineStage):
+        """A PipelineStage that adds the time of its forward and backward computations to `timer`."""
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.timer.compute():
-            return super().forward_one_chunk(*args, **kwargs)
+        def __init__(self, *args: Any, timer: StageTimer, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.timer = timer
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self.timer.compute():
-            return super().backward_one_chunk(*args, **kwargs)
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with self.timer.compute():
+                return super().forward_one_chunk(*args, **kwargs)
+
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with self.timer.compute():
+                return super().backward_one_chunk(*args, **kwargs)
+
+    return TimedStage
 
 
 class StageTimer:
