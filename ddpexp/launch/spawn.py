@@ -33,7 +33,9 @@ from .supervise import Supervisor, Watch, Worker
 
 INIT_URL_ENV = "DDPEXP_INIT_URL"
 # What the forkserver imports before forking workers: everything a worker needs before it trains.
-PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard"]
+# torch._dynamo (~1.8 s) is imported by the first optimizer a worker builds (torch wraps
+# Optimizer.add_param_group in _disable_dynamo), so it belongs here too.
+PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard", "torch._dynamo"]
 
 
 def context(method: StartMethod) -> Any:
