@@ -203,6 +203,7 @@ def test_pipeline_checkpoints_hold_the_whole_model_and_a_plain_optimizer_state(u
     assert_close_weights(tmp_path / "single", single)
 
 
+@pytest.mark.multiproc  # a fresh interpreter
 def test_the_strategy_registry_does_not_import_torch_pipelining():
     """torch.distributed.pipelining takes ~1.3 s to import (torch._dynamo, DTensor). Every launcher,
     worker, ddpexp-predict and ddpexp-report loads the built-in strategies, so the pipeline strategy
