@@ -19,7 +19,6 @@ run in lockstep once they communicate). Prints every repeat, then the median.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from ddpexp import distributed
 from ddpexp.models.convnet import convnet
 
 VARIANTS = ("alone", "alone/W", "side", "allreduce", "ddp")
@@ -62,9 +62,8 @@ def rank_main(rank: int, world: int, batch: int, variant: str, init: str, steps:
     out.put(statistics.median(times))
     if talks:  # free DDP's reducer (reference cycles) and meet before tearing gloo down
         del model, optimizer
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        distributed.finish()
+        distributed.stop()
 
 
 def measure(variant: str, world: int, global_batch: int, steps: int) -> float:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import os
 import statistics
@@ -55,6 +54,7 @@ import torch.nn.functional as F
 from plain_loop import make_model  # the models the plain loop trains (scripts/ is on sys.path)
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddpexp import distributed
 from ddpexp.config import TrainerConfig
 from ddpexp.context import intra_op_threads
 from ddpexp.data import loaders
@@ -214,12 +214,11 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     torch.set_num_threads(intra_op_threads(None, args.world, os.environ))  # ddpexp's default rule
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=args.world)
     _ddp_rounds(rank, args, tmp)
-    # Free the DDP modules (their reducers sit in reference cycles holding the process group) and let
-    # every rank get here before tearing gloo down, as ddpexp.distributed.finish does: otherwise a rank
-    # now and then aborts at exit ("terminate called without an active exception").
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    # ddpexp's own teardown: free the DDP modules (their reducers sit in reference cycles holding the
+    # process group) and meet before tearing gloo down; otherwise a rank now and then aborts at exit
+    # ("terminate called without an active exception").
+    distributed.finish()
+    distributed.stop()
 
 
 def _ddp_rounds(rank: int, args: argparse.Namespace, tmp: str) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -269,11 +269,21 @@ class Workload:
         return self.nodes > 1 and ranks > self.procs_per_node
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors` together."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of the trained parameters (what a gradient all-reduce carries, uncompressed)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return tensor_bytes(p for p in model.parameters() if p.requires_grad)
+
+
+def all_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter, frozen ones too (what ZeRO is given, and broadcasts)."""
+    return tensor_bytes(model.parameters())
 
 
 def buffer_bytes_of(model: nn.Module) -> int:
     """Bytes of the model's buffers (BatchNorm statistics)."""
-    return sum(b.numel() * b.element_size() for b in model.buffers())
+    return tensor_bytes(model.buffers())

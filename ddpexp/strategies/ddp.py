@@ -39,6 +39,7 @@ from .comm import (
     parameter_bytes,
     powersgd_bytes,
     powersgd_elements,
+    tensor_bytes,
     timed_call,
     timed_hook,
 )
@@ -259,8 +260,8 @@ def meter_buffer_broadcast(ddp: DistributedDataParallel, meter: CommMeter) -> No
         log.warning("this torch's DDP has no _default_broadcast_coalesced: its buffer broadcast is unmetered")
         return
 
-    def nbytes() -> int:
-        return sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+    def nbytes() -> int:  # DDP re-reads the module's buffers before each broadcast: so does this
+        return tensor_bytes(ddp.modules_buffers)
 
     ddp._default_broadcast_coalesced = timed_call(meter, inner, nbytes, "buffers")  # type: ignore[method-assign]
 

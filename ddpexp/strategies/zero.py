@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import MakeOptimizer, Wrapped, register
-from .comm import Collective, Workload, timed_call
+from .comm import Collective, Workload, all_parameter_bytes, timed_call
 from .ddp import DDP, DdpConfig, ddp_communication, warn_powersgd_restarts
 
 if TYPE_CHECKING:
@@ -70,21 +70,17 @@ class Zero(DDP):
         world = job.world
         if world < 2:
             return ddp_communication(settings, job=job)
+        everything = float(all_parameter_bytes(job.model))
         sync = Collective(
             "parameter broadcast from each owner after the step",
             "broadcast",
-            float(all_parameter_bytes(job.model)),
+            everything,
             world,
             calls=world,
-            counted=float(all_parameter_bytes(job.model)),
+            counted=everything,
             inter_node=job.spans_nodes(world),
         )
         return [*ddp_communication(settings, job=job), sync]
-
-
-def all_parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter, frozen ones too: ZeRO is given them all, and broadcasts them all."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _zero(optimizer: torch.optim.Optimizer) -> Any:
