@@ -130,6 +130,9 @@ def finish_metrics(run_dir: Path, status: str, error: str, *, facts: dict[str, A
 
 
 class NullRecorder:
+    def start(self) -> None:
+        pass
+
     def scalars(self, step: int, values: dict[str, float]) -> None:
         pass
 
@@ -178,8 +181,13 @@ class Recorder(NullRecorder):
         self._unwritten: list[tuple[int, dict[str, float]]] = []
         self._written_at = time.monotonic()
         self.metrics = new_metrics(facts) | {"started_at": time.time()}
-        if resume_step is not None:
-            self._continue_metrics(resume_step)
+        self._resume_step = resume_step
+
+    def start(self) -> None:
+        """metrics.json (status running) and the HParams start, written where a stop that follows at
+        once is already recorded: train.recorded_if_it_stops calls this inside its guard."""
+        if self._resume_step is not None:
+            self._continue_metrics(self._resume_step)
         else:
             self._write_hparams_start()
         self._write_metrics()

@@ -56,7 +56,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         mode=trainer.mode,
         resuming=bool(trainer.resume),
     )
-    with recorded_if_it_stops(recorder):  # from here on metrics.json exists, status running
+    with recorded_if_it_stops(recorder):  # metrics.json now exists, status running, until it stops
         engine = Engine(
             model=wrapped,
             optimizer=optimizer,
@@ -169,8 +169,10 @@ def open_recorder(
 @contextlib.contextmanager
 def recorded_if_it_stops(recorder: NullRecorder) -> Iterator[None]:
     """Whatever ends the run before it completes (Ctrl-C, SIGTERM, a preemption, an error), from
-    building the engine to the last save, metrics.json ends with the run's true status."""
+    building the engine to the last save, metrics.json ends with the run's true status. The first
+    `running` record is written in here too: a stop the moment it is on disk is recorded as well."""
     try:
+        recorder.start()
         yield
     except KeyboardInterrupt:
         with signals_ignored():  # a second Ctrl-C must not cut short the record of the first

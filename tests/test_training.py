@@ -353,6 +353,26 @@ def test_a_run_stopped_between_opening_its_record_and_training_says_how_it_ended
     assert m["status"] == status and m["history"] == []
 
 
+def test_a_sigterm_the_moment_metrics_json_says_running_is_still_recorded(tmp_path: Path, monkeypatch):
+    """The first `running` record is written where a stop is already recorded: a SIGTERM that lands
+    just after that write (the test of a sweep whose output is gone sends it the moment it sees the
+    file, and under load it landed there) ends the run `interrupted`, not `running` forever."""
+    from ddpexp.launch.supervise import Interrupted
+    from ddpexp.recorder import Recorder
+
+    write = Recorder._write_metrics
+
+    def written_then_stopped(self):
+        write(self)
+        if self.metrics["status"] == "running":
+            raise Interrupted(143)
+
+    monkeypatch.setattr(Recorder, "_write_metrics", written_then_stopped)
+    result = run_here(tmp_path, *QUICK, "hydra.run.dir=run")
+    assert result.returncode == 143, result
+    assert metrics(tmp_path / "run")["status"] == "interrupted"
+
+
 # ------------------------------------------------------------------------- loss accounting, logging
 
 
