@@ -1,9 +1,11 @@
-"""The benchmark script runs end to end (smoke mode: tiny, no timing claims)."""
+"""The measuring scripts run end to end: the benchmark (smoke mode: tiny, no timing claims) and the
+cost model's validation against measured runs (two small rounds)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -87,3 +89,35 @@ def test_plain_fsdp_and_zero_twins_train_the_same_model(tmp_path: Path):
     for result in results.values():
         assert result["samples_per_s"] > 0 and result["peak_mb"] > 0
     assert results["fsdp"]["final_loss"] == pytest.approx(results["zero"]["final_loss"], rel=1e-5)
+
+
+def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_path: Path):
+    """scripts/predict_vs_measured.py, as the README runs it but small: a single run and ddp at W=2
+    per round, two rounds (medians, ranges, per-round errors), an interconnect profile instead of a
+    commbench. Its bytes column must agree with the measured one: the cost model counts what DDP sends."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "predict_vs_measured.py"),
+            "--worlds=2",
+            "--epochs=2",
+            "--strategies=ddp",
+            "--interconnect=localhost_gloo",
+            "--repeats=2",
+            f"--out={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("host: ") and "fabric: " in proc.stdout
+    (row,) = [ln for ln in lines if ln.split()[:2] == ["ddp", "2"]]
+    # W, predicted ms, measured median (min-max), error of the medians (each round's smallest to largest)
+    shape = r"\s*ddp\s+2\s+[\d.]+\s+[\d.]+ \([\d.]+-[\d.]+\)\s+[+-]\d+% \([+-]\d+% to [+-]\d+%\)\s"
+    assert re.match(shape, row), row
+    bytes_pred, bytes_meas = (int(v.replace(",", "")) for v in row.split()[-4:-2])
+    assert bytes_pred == bytes_meas == 116_536  # the ConvNet's gradients + DDP's buffer broadcast
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp-2-r0", "ddp-2-r1", "single-r0", "single-r1"]
