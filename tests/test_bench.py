@@ -19,16 +19,21 @@ from .conftest import REPO
 pytestmark = pytest.mark.multiproc
 
 
-def test_benchmark_smoke_prints_a_row_per_strategy():
+def script_output(name: str, *args: str) -> list[str]:
+    """The lines scripts/<name> prints, run from the repository as the README runs it; it must succeed."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench.py"), "--smoke"],
+        [sys.executable, str(REPO / "scripts" / name), *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    return proc.stdout.splitlines()
+
+
+def test_benchmark_smoke_prints_a_row_per_strategy():
+    lines = script_output("bench.py", "--smoke")
     speeds = lines[1 : lines.index("")]
     assert lines[0] == "samples/s" and speeds[0].split()[:4] == [
         "model",
@@ -95,25 +100,16 @@ def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_pat
     """scripts/predict_vs_measured.py, as the README runs it but small: a single run and ddp at W=2
     per round, two rounds (medians, ranges, per-round errors), an interconnect profile instead of a
     commbench. Its bytes column must agree with the measured one: the cost model counts what DDP sends."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "predict_vs_measured.py"),
-            "--worlds=2",
-            "--epochs=2",
-            "--strategies=ddp",
-            "--interconnect=localhost_gloo",
-            "--repeats=2",
-            f"--out={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    lines = script_output(
+        "predict_vs_measured.py",
+        "--worlds=2",
+        "--epochs=2",
+        "--strategies=ddp",
+        "--interconnect=localhost_gloo",
+        "--repeats=2",
+        f"--out={tmp_path}",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith("host: ") and "fabric: " in proc.stdout
+    assert lines[0].startswith("host: ") and lines[1].startswith("fabric: ")
     (row,) = [ln for ln in lines if ln.split()[:2] == ["ddp", "2"]]
     # W, predicted ms, measured median (min-max), error of the medians (each round's smallest to largest)
     shape = r"\s*ddp\s+2\s+[\d.]+\s+[\d.]+ \([\d.]+-[\d.]+\)\s+[+-]\d+% \([+-]\d+% to [+-]\d+%\)\s"
