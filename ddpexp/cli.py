@@ -20,7 +20,9 @@ from typing import Any
 from .errors import NothingToDo, UserError, interrupted_within
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
+    """`early_workers`: this process is the command line's own (console), so it may start the
+    workers' forkserver before pre-flight knows whether a job needs it (launch/warmup.py)."""
     started_at = float(os.environ.get("DDPEXP_T0") or time.time())  # DDPEXP_T0: a caller's own clock
     argv = list(sys.argv[1:] if argv is None else argv)
     if "" not in sys.path:  # the console script finds your modules in this directory, as python -m does
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(torchrun.follow())
     if not _is_plain_run(args):  # --cfg, --info, --shell-completion...: Hydra's own business
         sys.exit(_hydra_main(argv))
+    if early_workers and torchrun.world() is None:  # under torchrun, torchrun starts the workers
+        from .launch import warmup
+
+        warmup.start_early()  # importing torch on another core while this process imports its own
     from .composition import CONFIG_NAME, search_path_override
     from .preflight import preflight
     from .runner import claim_output, run_jobs
@@ -122,14 +128,17 @@ def _print_outcome(outcome: Any) -> None:
 def console() -> None:
     """The `ddpexp` script and `python -m ddpexp`: main(), then exit without the interpreter's teardown
     (~0.9 s with torch loaded). Not for in-process callers, which call main() and catch SystemExit."""
+    from .launch import warmup
+
     try:
-        main()
+        main(early_workers=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:  # Ctrl-C before any job started (pre-flight, imports): one line
         print("ddpexp: interrupted before anything started", file=sys.stderr)
         code = 130
+    warmup.release()  # a forkserver started early that no job used (bad input, --help, single)
     from .launch.leave import exit_now  # imports no torch: it may be half-imported
 
     exit_now(code)

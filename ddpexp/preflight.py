@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import composition, faults, optim
 from .context import FAULT_ENV
 from .errors import UserError
+from .launch import warmup
 from .validate import ExternalWorld, HostFacts, Plan, check_split_sizes, plan
 
 
@@ -65,10 +66,9 @@ def preflight(
                 spawns.append(cfg.dist.start_method)
             if cfg.dist.node_rank > 0:
                 joining = (cfg, p)
-    if spawns:  # the forkserver imports torch while Hydra sets up the first job
-        from .launch.spawn import prewarm
-
-        prewarm(spawns[0])
+    # The forkserver imports torch while Hydra sets up the first job; one started early and not needed
+    # is stopped (launch/warmup.py).
+    warmup.settle(spawns[0] if spawns else None)
     if joining is not None:  # node 0 makes and claims the run dir
         return Checked(overrides, joining)
     if first is not None and "hydra" in first:

@@ -439,7 +439,7 @@ def test_ctrl_c_while_torch_is_still_importing_is_one_line_and_exit_130(tmp_path
     script = (
         "import sys\n"
         "from ddpexp import cli\n"
-        "def interrupted():\n"
+        "def interrupted(**kwargs):\n"
         "    sys.modules['torch'] = None  # what a torch import cut short leaves: importing it fails\n"
         "    raise KeyboardInterrupt\n"
         "cli.main = interrupted\n"

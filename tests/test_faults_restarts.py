@@ -3,6 +3,7 @@ identical, and results that do not lie (failures recorded, refused runs, finishe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,12 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from .conftest import QUICK, RESUME, metrics, run_here, same_weights
 from .fault_harness import (
     LONG,
     Watched,
+    _gone,
     _nothing_outlives_its_test,  # noqa: F401  (autouse: kills what a case left running)
     last_checkpoint_step,
     run_dirs,
@@ -177,15 +180,46 @@ def test_resume_auto_never_changes_a_finished_run(tmp_path: Path):
 
 
 def test_ctrl_c_during_pre_flight_is_one_line_and_exit_130(tmp_path: Path):
-    """A sweep of 400 jobs keeps pre-flight busy composing and checking for several seconds."""
+    """A sweep of 400 jobs keeps pre-flight busy composing and checking for several seconds. The
+    command line has started the workers' forkserver meanwhile (launch/warmup.py: it imports torch
+    while pre-flight runs); stopped before a job was chosen, it must not outlive the command."""
     cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,400)", *QUICK]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(4)
+    started = {p: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)}
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["ddpexp: interrupted before anything started"], err
     assert not (tmp_path / "multirun").exists()
+    assert any("forkserver" in cmdline for cmdline in started.values()), started
+    assert not left_running(started)
+
+
+def test_bad_input_leaves_no_process_behind_not_even_the_early_forkserver(tmp_path: Path):
+    """The command line starts the workers' forkserver before pre-flight (launch/warmup.py); when
+    pre-flight refuses the input, that server, still importing torch, is stopped before the command
+    exits: exit 2, one line, and every process the command started is gone."""
+    cmd = [sys.executable, "-m", "ddpexp", "strategy=ddp", "trainer.batch_size=63", *QUICK]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[psutil.Process, str] = {}
+    while proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                seen.setdefault(p, " ".join(p.cmdline()))
+        time.sleep(0.02)
+    alive = left_running(seen)
+    _out, err = proc.communicate(timeout=30)  # (a server left running would hold the pipes open)
+    assert proc.returncode == 2 and err.startswith("ddpexp: error: ") and len(err.splitlines()) == 1, err
+    assert any("forkserver" in cmdline for cmdline in seen.values()), seen
+    assert not alive
+
+
+def left_running(procs: dict[psutil.Process, str]) -> list[str]:
+    """The command lines of `procs` still running a second after their command ended (the resource
+    tracker leaves when it reads EOF, a moment after; a forkserver still importing stays for seconds)."""
+    _, alive = psutil.wait_procs(procs, timeout=1)
+    return [procs[p] for p in alive if not _gone(p)]
 
 
 def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):

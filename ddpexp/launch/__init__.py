@@ -7,6 +7,7 @@ supervise    watch the workers, stop them all on a failure or a signal, blame th
 torchrun     rank 0 composes and publishes the job in torchrun's store; the other ranks read it
              (also torch.distributed.launch, whose --local-rank argument it takes out of argv)
 worker       one worker process from start to exit code
+warmup       the forkserver workers fork from: started before pre-flight, killed if no job needs it
 """
 
 from __future__ import annotations

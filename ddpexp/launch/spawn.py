@@ -30,29 +30,18 @@ from ..job import Job
 from . import rendezvous
 from .heartbeat import Pulse, shared_cell
 from .supervise import Supervisor, Watch, Worker
+from .warmup import PRELOAD
 
 INIT_URL_ENV = "DDPEXP_INIT_URL"
-# What the forkserver imports before forking workers: everything a worker needs before it trains.
-# torch._dynamo (~1.8 s) is imported by the first optimizer a worker builds (torch wraps
-# Optimizer.add_param_group in _disable_dynamo), so it belongs here too.
-PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard", "torch._dynamo"]
 
 
 def context(method: StartMethod) -> Any:
-    """The multiprocessing context workers start from (one forkserver per launcher process)."""
+    """The multiprocessing context workers start from (one forkserver per launcher process, see
+    warmup.py)."""
     ctx = multiprocessing.get_context(StartMethod(method).value)
     if StartMethod(method) == StartMethod.forkserver:
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
-
-
-def prewarm(method: StartMethod) -> None:
-    """Start the forkserver now, so that it imports torch while the launcher does its own work."""
-    if StartMethod(method) == StartMethod.forkserver:
-        from multiprocessing import forkserver
-
-        context(method)
-        forkserver.ensure_running()
 
 
 def spawn(job: Job, *, node_rank: int = 0) -> int:

@@ -1,0 +1,70 @@
+"""The forkserver that self-launched workers are forked from: started as early as possible, so that it
+imports torch (about 4 s of CPU on the development VM) on another core while the launcher does its
+own imports and pre-flight, and stopped again if no job needs it.
+
+The command line (`cli.console`, a process of its own) starts it speculatively before it imports
+torch, since only pre-flight knows whether any job spawns workers. Pre-flight then `settle`s it: a
+job that forks its workers from it claims it; otherwise, and on every way out of the command line
+(`release`), an unclaimed server is killed at once, without waiting for its imports to finish, so no
+process outlives the command. In-process callers (`ddpexp.run`, a notebook) start it only when
+pre-flight settles on it, as before.
+
+Imports no torch (the command line loads this before anything heavy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from multiprocessing import forkserver
+from typing import Any
+
+from ..config import StartMethod
+
+# What the forkserver imports before forking workers: everything a worker needs before it trains.
+# torch._dynamo (~1.8 s) is imported by the first optimizer a worker builds (torch wraps
+# Optimizer.add_param_group in _disable_dynamo), so it belongs here too.
+PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard", "torch._dynamo"]
+
+_unclaimed: int | None = None  # the pid of a forkserver start_early started and no job claimed yet
+
+
+def _server() -> Any:
+    return forkserver._forkserver  # type: ignore[attr-defined]  # multiprocessing's one per process
+
+
+def start_early() -> None:
+    """Start the forkserver now, in case a job will fork workers from it (a no-op if one runs)."""
+    global _unclaimed
+    if _server()._forkserver_pid is not None:
+        return
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    _unclaimed = _server()._forkserver_pid
+
+
+def settle(method: StartMethod | None) -> None:
+    """Pre-flight's decision: `method` is how the first spawning job starts its workers (None: no job
+    spawns). A forkserver job claims the server, starting it if it is not running yet."""
+    global _unclaimed
+    if method is None or StartMethod(method) != StartMethod.forkserver:
+        release()
+        return
+    _unclaimed = None
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
+def release() -> None:
+    """Stop a forkserver that start_early started and no job claimed: killed, not asked (asking waits
+    until its imports are done), then reaped."""
+    global _unclaimed
+    pid, _unclaimed = _unclaimed, None
+    server = _server()
+    if pid is None or server._forkserver_pid != pid:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()
