@@ -32,7 +32,7 @@ _unclaimed: int | None = None  # the pid of a forkserver start_early started and
 
 
 def _server() -> Any:
-    return forkserver._forkserver  # type: ignore[attr-defined]  # multiprocessing's one per process
+    return forkserver._forkserver  # multiprocessing's one per process
 
 
 def start_early() -> None:
