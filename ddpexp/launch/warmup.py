@@ -25,7 +25,7 @@ from ..config import StartMethod
 
 # What the forkserver imports before forking workers: everything a worker needs before it trains.
 # torch._dynamo (~1.8 s) is imported by the first optimizer a worker builds (torch wraps
-# Optimizer.add_param_group in _disable_dynamo), so it belongs here too.
+# Optimizer.add_param_group in _disable_dynamo, and Optimizer.step imports it), so it belongs here too.
 PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard", "torch._dynamo"]
 
 _unclaimed: int | None = None  # the pid of a forkserver start_early started and no job claimed yet
