@@ -222,6 +222,29 @@ def left_running(procs: dict[psutil.Process, str]) -> list[str]:
     return [procs[p] for p in alive if not _gone(p)]
 
 
+def test_a_ctrl_c_reaching_the_early_forkserver_while_it_imports_is_not_a_traceback(tmp_path: Path):
+    """A terminal's Ctrl-C goes to the whole foreground process group, the forkserver the command line
+    started early included (launch/warmup.py). One that lands while the server imports torch must not
+    kill it with a KeyboardInterrupt traceback under the command's one line: it starts with SIGINT
+    blocked. (Its workers unblock it: the SIGINT case of the blame test in test_faults.py.)"""
+    script = (
+        "import os, signal, time\n"
+        "from ddpexp.launch import warmup\n"
+        "warmup.start_early()\n"
+        "pid = warmup._unclaimed\n"
+        "time.sleep(0.5)\n"
+        "os.kill(pid, signal.SIGINT)  # mid-import: its preload takes seconds\n"
+        "time.sleep(1)\n"
+        "print('alive' if os.waitpid(pid, os.WNOHANG) == (0, 0) else 'dead')\n"
+        "warmup.release()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "alive\n" and "KeyboardInterrupt" not in done.stderr, done.stderr
+
+
 def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):
     """A sweep whose stdout was closed (its terminal or pipe gone) cannot print a job's run dir: that
     must not turn SIGTERM into "stop this job, go on with the next" (an orphaned sweep ran on so)."""

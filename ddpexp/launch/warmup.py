@@ -18,7 +18,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from ..config import StartMethod
@@ -36,13 +36,24 @@ def _server() -> Any:
 
 
 def start_early() -> None:
-    """Start the forkserver now, in case a job will fork workers from it (a no-op if one runs)."""
+    """Start the forkserver now, in case a job will fork workers from it (a no-op if one runs).
+
+    It starts with SIGINT blocked (a signal mask survives exec): a Ctrl-C in the terminal reaches the
+    whole foreground process group, and one that lands while the server imports would print its
+    KeyboardInterrupt traceback under the command's one line. Once its imports are done the server
+    ignores SIGINT itself, which drops a pending one; its workers unblock it (worker.forked_main).
+    The command's own Ctrl-C meanwhile waits, blocked, and arrives once the server is started."""
     global _unclaimed
     if _server()._forkserver_pid is not None:
         return
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
-    _unclaimed = _server()._forkserver_pid
+    resource_tracker.ensure_running()  # first: starting it unblocks SIGINT in this process again
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+        _unclaimed = _server()._forkserver_pid  # before a pending Ctrl-C arrives: release() sees it
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def settle(method: StartMethod | None) -> None:

@@ -189,6 +189,7 @@ def forked_main(spec: WorkerSpec) -> None:
     """A self-launched worker, in the process the launcher's multiprocessing context started: take the
     launcher's environment and the rank's log, then run as any worker does."""
     os.setsid()  # its own session: stopped with its DataLoader children, out of the terminal's Ctrl-C
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # its forkserver's is blocked (warmup.py)
     set_process_name(f"ddpexp-rank{spec.rank}")
     _release_forkserver()
     log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
