@@ -30,7 +30,7 @@ from ..job import Job
 from . import rendezvous
 from .heartbeat import Pulse, shared_cell
 from .supervise import Supervisor, Watch, Worker
-from .warmup import PRELOAD
+from .warmup import forkserver_context
 
 INIT_URL_ENV = "DDPEXP_INIT_URL"
 
@@ -38,10 +38,9 @@ INIT_URL_ENV = "DDPEXP_INIT_URL"
 def context(method: StartMethod) -> Any:
     """The multiprocessing context workers start from (one forkserver per launcher process, see
     warmup.py)."""
-    ctx = multiprocessing.get_context(StartMethod(method).value)
     if StartMethod(method) == StartMethod.forkserver:
-        ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+        return forkserver_context()
+    return multiprocessing.get_context(StartMethod(method).value)
 
 
 def spawn(job: Job, *, node_rank: int = 0) -> int:

@@ -35,6 +35,13 @@ def _server() -> Any:
     return forkserver._forkserver  # multiprocessing's one per process
 
 
+def forkserver_context() -> Any:
+    """multiprocessing's forkserver context, its server set to import PRELOAD when it starts."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def start_early() -> None:
     """Start the forkserver now, in case a job will fork workers from it (a no-op if one runs).
 
@@ -46,7 +53,7 @@ def start_early() -> None:
     global _unclaimed
     if _server()._forkserver_pid is not None:
         return
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver_context()
     resource_tracker.ensure_running()  # first: starting it unblocks SIGINT in this process again
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -64,7 +71,7 @@ def settle(method: StartMethod | None) -> None:
         release()
         return
     _unclaimed = None
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver_context()
     forkserver.ensure_running()
 
 
