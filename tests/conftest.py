@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,16 @@ def run_here(cwd: Path, *args: str) -> Result:
     finally:
         os.chdir(previous)
     return Result(code, out.getvalue(), err.getvalue(), cwd)
+
+
+def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """fn(rank, *args) in nprocs processes forked from the forkserver ddpexp's own workers come from
+    (one per pytest process, torch already imported), as torch.multiprocessing.start_processes would
+    with spawn, less a fresh interpreter and `import torch` per rank (about 5 s of CPU each)."""
+    from ddpexp.launch import warmup
+
+    warmup.forkserver_context()
+    torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def metrics(run_dir: Path) -> dict[str, Any]:

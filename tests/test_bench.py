@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
-from .conftest import REPO
+from .conftest import REPO, start_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -89,7 +88,7 @@ def test_plain_fsdp_and_zero_twins_train_the_same_model(tmp_path: Path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    mp.start_processes(_twins_rank, args=(ports, str(tmp_path)), nprocs=2, start_method="spawn")
+    start_ranks(_twins_rank, (ports, str(tmp_path)), nprocs=2)
     results = json.loads((tmp_path / "twins.json").read_text())
     for result in results.values():
         assert result["samples_per_s"] > 0 and result["peak_mb"] > 0

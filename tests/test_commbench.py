@@ -19,10 +19,11 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddpexp.commbench import Op, bus_factor, fit_alpha_beta, sizes
 from ddpexp.commbench.cli import main as commbench_main
+
+from .conftest import start_ranks
 
 # nccl-tests' bus factors, written out here rather than taken from the code under test; in the order
 # the benchmark measures the ops by default.
@@ -180,7 +181,7 @@ def _check_every_op(rank: int, tmp: str, broken: bool) -> None:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("broken", [False, True], ids=["correct", "broken_all_reduce"])
 def test_each_op_is_checked_and_a_collective_returning_wrong_data_fails(tmp_path: Path, broken: bool):
-    mp.start_processes(_check_every_op, args=(str(tmp_path), broken), nprocs=2, start_method="fork")
+    start_ranks(_check_every_op, (str(tmp_path), broken), nprocs=2)
     for rank in range(2):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         wrong = {op for op, said in outcome.items() if said != "ok"}

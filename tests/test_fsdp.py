@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddpexp import load_model
 from ddpexp.models.mlp import mlp
@@ -27,6 +26,7 @@ from .conftest import (
     metrics,
     run_here,
     scored_by_single,
+    start_ranks,
     weights,
 )
 
@@ -181,7 +181,7 @@ def test_fsdp_accumulation_reduces_the_gradients_once_per_step(tmp_path: Path):
     """trainer.accumulate=K under fsdp: gradients stay local (unsharded) until the last micro-batch,
     whose backward reduce-scatters them: as many reduce-scatters per step as without accumulation (one
     per shard unit), not one per micro-batch."""
-    mp.start_processes(_accumulating_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    start_ranks(_accumulating_rank, (str(tmp_path),), nprocs=2)
     for rank in range(2):
         counts = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert counts[1] > 0, counts  # the counter does see FSDP's reduce-scatters

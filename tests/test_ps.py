@@ -14,12 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddpexp.optim import OptimizerSpec
 from ddpexp.strategies.ps import ASYNC, ParameterServer, PsConfig
 
-from .conftest import PARITY, RESUME, metrics, run_here, same_weights, scored_by_single
+from .conftest import PARITY, RESUME, metrics, run_here, same_weights, scored_by_single, start_ranks
 from .fault_harness import LONG, Watched
 from .test_training import assert_same_state, ckpt
 
@@ -200,9 +199,10 @@ def _async_rank(rank: int, tmp: str) -> None:
 
 
 def test_a_fast_worker_pushing_twice_per_step_never_deadlocks_the_async_server(tmp_path: Path):
-    # spawn, not fork: once this process has computed (the in-process runs of other tests), forked ranks
-    # hang in their first BatchNorm forward (OpenMP's thread pool does not survive a fork)
-    mp.start_processes(_async_rank, args=(str(tmp_path),), nprocs=3, start_method="spawn")
+    # not forked from this process: once it has computed (the in-process runs of other tests), forked
+    # ranks hang in their first BatchNorm forward (OpenMP's thread pool does not survive a fork); the
+    # forkserver never computes
+    start_ranks(_async_rank, (str(tmp_path),), nprocs=3)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
     # rank 1 always holds the newest parameters; rank 2's first push comes 4 updates after its pull,
     # its later ones right after their own reply

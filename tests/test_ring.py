@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddpexp.strategies.naive_allreduce import chunk_bounds, ring_sum
 
-from .conftest import QUICK, assert_close_weights, metrics, run_here
+from .conftest import QUICK, assert_close_weights, metrics, run_here, start_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -46,9 +45,7 @@ def _rank(rank: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[tuple[int, int], tuple[torch.Tensor, int]]]:
     tmp = tmp_path_factory.mktemp("ring")
-    # fork: the ranks start in a fraction of a second (spawn re-imports torch and ddpexp per rank);
-    # they use the CPU only, so nothing the parent may hold (CUDA) is touched after the fork.
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="fork")
+    start_ranks(_rank, (str(tmp),), nprocs=WORLD)
     return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

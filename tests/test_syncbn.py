@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpexp.strategies import syncbn
+
+from .conftest import start_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -70,7 +71,7 @@ def _rank(rank: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[bool, dict]]:
     tmp = tmp_path_factory.mktemp("syncbn")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="spawn")
+    start_ranks(_rank, (str(tmp),), nprocs=WORLD)
     return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
