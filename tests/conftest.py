@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +35,38 @@ RESUME = [*QUICK, "checkpoint.every_steps=20", "optim.lr=0.05"]
 STEPS = 5
 PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
 PARITY_STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
+
+
+# Seconds each test file took in one full run on the development VM (2026-11-25; files under 10 s left
+# out). pytest-xdist hands out whole files (`--dist loadfile`, Makefile) in collection order
+# (`--no-loadscope-reorder`), so the longest start first and the short ones fill in at the end.
+# xdist's own order (most tests first) started test_bench (3 tests, 150 s) last, on one worker alone.
+FILE_SECONDS = {
+    "test_faults": 240,
+    "test_faults_restarts": 205,
+    "test_runs": 190,
+    "test_training": 125,
+    "test_bench": 120,
+    "test_compare": 120,
+    "test_faults_directories": 95,
+    "test_ps": 85,
+    "test_workloads": 85,
+    "test_fsdp": 55,
+    "test_pipeline": 40,
+    "test_architecture": 40,
+    "test_cli": 35,
+    "test_zero_and_comm_hooks": 30,
+    "test_own_model": 25,
+    "test_commbench": 20,
+    "test_data_models": 20,
+    "test_ring": 20,
+    "test_config": 15,
+    "test_strategies": 15,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.stem, 0))  # stable: a file's tests stay together
 
 
 class Result:
@@ -136,31 +170,49 @@ def world_of_one(tmp_path: Path):
         dist.destroy_process_group()
 
 
+def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A directory `make` fills once per test session, shared by every pytest-xdist worker: the first
+    to ask makes it while the others wait on a lock, instead of each worker training it again."""
+    base = factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, above gw0..
+    made = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (made / ".made").exists():
+            shutil.rmtree(made, ignore_errors=True)  # what a worker that failed left
+            made.mkdir()
+            make(made)
+            (made / ".made").touch()
+    return made
+
+
 @pytest.fixture(scope="session")
 def parity_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every shipped strategy on the PARITY experiment, one sweep, made once per session: the reference
     that other strategies and settings (accumulation, bucketing, init methods, launchers) must match."""
-    cwd = tmp_path_factory.mktemp("parity")
-    result = run_here(cwd, "-m", f"strategy={','.join(PARITY_STRATEGIES)}", *PARITY, "hydra.sweep.dir=sweep")
-    assert result.returncode == 0, result
-    return cwd / "sweep"
+
+    def make(cwd: Path) -> None:
+        result = run_here(
+            cwd, "-m", f"strategy={','.join(PARITY_STRATEGIES)}", *PARITY, "hydra.sweep.dir=sweep"
+        )
+        assert result.returncode == 0, result
+
+    return made_once(tmp_path_factory, "parity", make) / "sweep"
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
     """`uninterrupted(strategy)`: the run dir of an uninterrupted 70-step RESUME run, made once per
     session; runs that were stopped, killed or restarted on the way to step 70 must end identical."""
-    made: dict[str, Path] = {}
 
     def get(strategy: str) -> Path:
-        if strategy not in made:
-            tmp = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
+        def make(cwd: Path) -> None:
             result = run_here(
-                tmp, f"strategy={strategy}", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"
+                cwd, f"strategy={strategy}", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"
             )
             assert result.returncode == 0, result
-            made[strategy] = tmp / "run"
-        return made[strategy]
+
+        return made_once(tmp_path_factory, f"uninterrupted-{strategy}", make) / "run"
 
     return get
 
