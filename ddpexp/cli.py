@@ -13,6 +13,7 @@ pre-flight, join node 0's run directory (launch/nodes.py).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
         from .launch import warmup
 
         warmup.start_early()  # importing torch on another core while this process imports its own
+    _import_torch()
     from .composition import CONFIG_NAME, search_path_override
     from .preflight import preflight
     from .runner import claim_output, run_jobs
@@ -128,8 +130,6 @@ def _print_outcome(outcome: Any) -> None:
 def console() -> None:
     """The `ddpexp` script and `python -m ddpexp`: main(), then exit without the interpreter's teardown
     (~0.9 s with torch loaded). Not for in-process callers, which call main() and catch SystemExit."""
-    from .launch import warmup
-
     try:
         main(early_workers=True)
         code = 0
@@ -138,10 +138,27 @@ def console() -> None:
     except KeyboardInterrupt:  # Ctrl-C before any job started (pre-flight, imports): one line
         print("ddpexp: interrupted before anything started", file=sys.stderr)
         code = 130
-    warmup.release()  # a forkserver started early that no job used (bad input, --help, single)
+    # a forkserver started early that no job used (bad input, --help, single); main() imported warmup
+    # if it started one, and a Ctrl-C may have cut that import short
+    release = getattr(sys.modules.get("ddpexp.launch.warmup"), "release", None)
+    if release is not None:
+        release()
     from .launch.leave import exit_now  # imports no torch: it may be half-imported
 
     exit_now(code)
+
+
+def _import_torch() -> None:
+    """`import torch` with Ctrl-C held back until it is done, then delivered as usual. torch imports
+    numpy from C and drops an exception raised there: a KeyboardInterrupt in that second was lost (the
+    run went on) and left numpy half-imported."""
+    if "torch" in sys.modules:
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _is_plain_run(args: Any) -> bool:

@@ -245,6 +245,41 @@ def test_a_ctrl_c_reaching_the_early_forkserver_while_it_imports_is_not_a_traceb
     assert done.stdout == "alive\n" and "KeyboardInterrupt" not in done.stderr, done.stderr
 
 
+# Loaded by every Python process of the command (PYTHONPATH): Ctrl-C, as the command's process feels
+# it, the moment it first imports the module named in DDPEXP_TEST_SIGINT_AT.
+_SIGINT_AT_IMPORT = """
+import os, signal, sys
+class _Trip:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["DDPEXP_TEST_SIGINT_AT"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, _Trip())
+"""
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "hydra",  # the command's first imports (its config schema)
+        "numpy",  # imported from inside torch._C's initialisation, which swallows exceptions there
+    ],
+)
+def test_a_ctrl_c_while_the_command_imports_is_one_line_and_exit_130(tmp_path: Path, module: str):
+    """Ctrl-C in the command's first seconds, while it imports: exit 130 and the one line, at every
+    point. Seen before: a traceback (SIGINT while the first import ran outside the command's guard),
+    and, worse, a run that went on (torch imports numpy from C and drops the KeyboardInterrupt raised
+    there, leaving numpy half-imported)."""
+    (tmp_path / "sitecustomize.py").write_text(_SIGINT_AT_IMPORT)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "DDPEXP_TEST_SIGINT_AT": module}
+    cmd = [sys.executable, "-m", "ddpexp", "strategy=ddp", *QUICK, "trainer.max_steps=3", "hydra.run.dir=run"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    one_line = "ddpexp: interrupted before anything started\n"
+    assert (done.returncode, done.stderr) == (130, one_line), done.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):
     """A sweep whose stdout was closed (its terminal or pipe gone) cannot print a job's run dir: that
     must not turn SIGTERM into "stop this job, go on with the next" (an orphaned sweep ran on so)."""
