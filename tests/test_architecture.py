@@ -72,6 +72,44 @@ def test_load_model_gives_the_trained_plain_module(single_run: ddpexp.Result):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in from_checkpoint.state_dict().items())
 
 
+def _run_script(path: Path, text: str) -> str:
+    path.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, str(path)], cwd=path.parent, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.multiproc
+def test_a_plain_script_runs_multi_process_strategies_through_the_api(tmp_path: Path):
+    """The README's API example as a user saves it in a file: top-level calls, no `if __name__ ==
+    "__main__":` guard. The workers are ddpexp's own program, so they must not run the script again
+    (multiprocessing re-runs the parent's __main__ file in forkserver and spawn children), whichever
+    way they start. A model defined in the script itself (`__main__.Net`) still reaches the workers,
+    from a script with the guard that multiprocessing asks for."""
+    plain = _run_script(
+        tmp_path / "experiment.py",
+        "import ddpexp\n"
+        f"results = ddpexp.sweep(['strategy=ddp', 'dist.start_method=forkserver,spawn', *{PARITY!r}, "
+        "'hydra.sweep.dir=sweep'])\n"
+        "print('statuses', [(r.status, r.final.get('step')) for r in results])\n",
+    )
+    assert "statuses [('completed', 5), ('completed', 5)]" in plain, plain
+    own_model = _run_script(
+        tmp_path / "own_model.py",
+        "from torch import nn\n"
+        "import ddpexp\n\n"
+        "class Net(nn.Sequential):\n"
+        "    def __init__(self, num_classes: int = 10):\n"
+        "        super().__init__(nn.Flatten(), nn.Linear(28 * 28, num_classes))\n\n"
+        "if __name__ == '__main__':\n"
+        f"    result = ddpexp.run(['strategy=ddp', *{PARITY!r}, 'model._target_=__main__.Net'])\n"
+        "    print('status', result.status, result.final.get('step'))\n",
+    )
+    assert "status completed 5" in own_model, own_model
+
+
 def test_bad_input_raises_a_user_error_instead_of_exiting(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ddpexp.UserError, match=r"trainer\.epochs"):

@@ -14,11 +14,14 @@ fresh interpreter per worker instead. Either way each worker:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
 import threading
 import time
+import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,13 +158,40 @@ def _start_worker(
         name=f"ddpexp-rank{rank}",
         daemon=False,
     )
-    proc.start()
+    with _callers_script_hidden() if not _names_main(job["config"]) else contextlib.nullcontext():
+        proc.start()
     tee = None
     if reader is not None and writer is not None:
         writer.close()  # the worker holds its own copy; the pipe ends when the worker does
         tee = threading.Thread(target=_tee, args=(reader, log_path), name=f"tee-rank{rank}", daemon=True)
         tee.start()
     return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee, pulse=Pulse(cell, time.time()))
+
+
+@contextlib.contextmanager
+def _callers_script_hidden() -> Iterator[None]:
+    """While a worker starts, `__main__` is a blank stand-in. multiprocessing hands every forkserver or
+    spawn child the parent's main script (or `-m` module) to run again first, as `__mp_main__`; a
+    worker is ddpexp's own program (worker.forked_main) and needs none of it. A user's script that calls
+    ddpexp.run at top level, without an `if __name__ == "__main__":` guard, would otherwise call it
+    again in every worker, which then fails at start-up."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__: nothing to run
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _names_main(config: Any) -> bool:
+    """Whether the resolved config names something defined in the caller's script (`model._target_=
+    __main__.Net`): then the workers need the script, run as multiprocessing runs it (which takes the
+    `if __name__ == "__main__":` guard every multiprocessing program needs)."""
+    if isinstance(config, dict):
+        return any(_names_main(value) for value in config.values())
+    if isinstance(config, list):
+        return any(_names_main(value) for value in config)
+    return isinstance(config, str) and config.startswith("__main__.")
 
 
 class _Proc:
