@@ -71,7 +71,8 @@ def run_facts(
         "vocab_size": splits.info.vocab_size,
         "train_samples": len(splits.train.dataset),  # type: ignore[arg-type]
         "eval_samples": len(splits.eval.dataset),  # type: ignore[arg-type]
-        "job_started_at": ctx.job_started_at,
+        "job_started_at": ctx.job_started_at,  # its clock: time to first step and to target count from it
+        "command_started_at": job.command_started_at,  # the command's start, before imports and pre-flight
         "threads": torch.get_num_threads(),  # intra-op threads per process (trainer.threads)
         "host_cpus": host.cpus(),
         "load_avg_start": job.load_at_start,  # 1-minute load average as the job started

@@ -43,6 +43,7 @@ class Job:
     run_dir: Path
     choices: dict[str, str] = field(default_factory=dict)  # config-group options picked, e.g. model=convnet
     started_at: float = 0.0  # when this job started (epoch seconds): its clock for time-to-first-step
+    command_started_at: float | None = None  # when the command (or ddpexp.run call) that ran it began
     load_at_start: float | None = None  # the host's 1-minute load average then, before our processes
     checkpoint_on_signal: bool = False  # trainer.checkpoint_on_signal, resolved where the job starts
     varies: tuple[str, ...] = ()  # in a sweep, the override keys that differ between its jobs
@@ -54,6 +55,7 @@ class Job:
             "run_dir": str(self.run_dir),
             "choices": self.choices,
             "started_at": self.started_at,
+            "command_started_at": self.command_started_at,
             "load_at_start": self.load_at_start,
             "checkpoint_on_signal": self.checkpoint_on_signal,
             "varies": list(self.varies),
@@ -71,6 +73,7 @@ class Job:
             run_dir=Path(d["run_dir"]),
             choices=d["choices"],
             started_at=d.get("started_at", 0.0),
+            command_started_at=d.get("command_started_at"),
             load_at_start=d.get("load_at_start"),
             checkpoint_on_signal=d.get("checkpoint_on_signal", False),
             varies=tuple(d.get("varies", ())),

@@ -55,6 +55,7 @@ def preflight(
         overrides, jobs = overrides + dropped, [job + dropped for job in jobs]
         local = HostFacts.probe()
         spawns = []
+        in_process = False
         joining = None
         first = None
         for job_overrides in jobs:
@@ -64,11 +65,12 @@ def preflight(
             p = check_job(cfg, host, external=external, multirun=multirun)
             if p.launcher == "spawn" and host is local:
                 spawns.append(cfg.dist.start_method)
+            in_process |= p.launcher == "inprocess" and host is local
             if cfg.dist.node_rank > 0:
                 joining = (cfg, p)
     # The forkserver imports torch while Hydra sets up the first job; one started early and not needed
-    # is stopped (launch/warmup.py).
-    warmup.settle(spawns[0] if spawns else None)
+    # is stopped (launch/warmup.py), and the runner waits for what the jobs share before their clocks.
+    warmup.settle(spawns[0] if spawns else None, in_process=in_process)
     if joining is not None:  # node 0 makes and claims the run dir
         return Checked(overrides, joining)
     if first is not None and "hydra" in first:

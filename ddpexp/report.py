@@ -103,6 +103,7 @@ OVERLAP_TOLERANCE_S = 1.0
 # Facts that differ between repeats of one configuration (the job's own clock and load readings).
 PER_RUN_FACTS = frozenset(
     {"seed", "repeat", "job_started_at", "job_ended_at", "load_avg_start", "load_avg_end", "resumed_from"}
+    | {"command_started_at"}
     | {"sweep_varies"}  # this job's values of what the sweep varies: the run's name has them
 )
 REPEAT_KEYS = ("seed=", "repeat=", "+repeat=", "+seed=")

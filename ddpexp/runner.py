@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import composition, fsutil, host
 from .errors import UserError
+from .launch import warmup
 from .recorder import METRICS_FILE
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,11 @@ def run_jobs(
     config_name: str = composition.CONFIG_NAME,
     sweep_dir: Path | None = None,
 ) -> list[Outcome]:
-    """Run the job (or every job of the sweep) through Hydra; `started_at` is when the command began:
-    the first job's clock starts there, each later job's when it starts. `report` hears of each job
-    as it ends (the command line prints its run dir and error)."""
+    """Run the job (or every job of the sweep) through Hydra; `started_at` is when the command began
+    (facts.command_started_at). Each job's clock starts when that job starts, the first's too, once
+    what the jobs share is ready (launch/warmup.finish): a job's time to first step and to target are
+    its own, wherever it runs in the sweep. `report` hears of each job as it ends (the command line
+    prints its run dir and error)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -79,7 +82,8 @@ def run_jobs(
     here = os.getpid()
 
     def task(cfg: DictConfig) -> float | None:
-        outcome = run_job(cfg, started_at=started_at if not outcomes else time.time(), sweep=multirun)
+        warmup.finish()  # a no-op after the first job, and in a process that did no pre-flight
+        outcome = run_job(cfg, started_at=time.time(), command_started_at=started_at, sweep=multirun)
         outcomes.append(outcome)
         with suppress(OSError):  # stdout gone (a closed terminal or pipe): the run dir says it all,
             report(outcome)  # and the sweep must still stop or go on as the outcome says
@@ -152,7 +156,7 @@ def _logging_restored() -> Iterator[None]:
         root.setLevel(level)
 
 
-def run_job(cfg: DictConfig, *, started_at: float, sweep: bool = False) -> Outcome:
+def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sweep: bool = False) -> Outcome:
     """One job: check it again on the machine it runs on, record it, launch it."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -178,7 +182,14 @@ def run_job(cfg: DictConfig, *, started_at: float, sweep: bool = False) -> Outco
             resume_if_preempted(cfg, run_dir)
         multirun = hc.mode == RunMode.MULTIRUN
         plan = check_job(cfg, HostFacts.probe(), external=external, multirun=multirun, run_dir_checked=True)
-        job = Job(cfg=cfg, plan=plan, run_dir=run_dir, choices=choices, started_at=started_at)
+        job = Job(
+            cfg=cfg,
+            plan=plan,
+            run_dir=run_dir,
+            choices=choices,
+            started_at=started_at,
+            command_started_at=command_started_at,
+        )
         # The load before our processes add to it.
         job = dataclasses.replace(
             job,

@@ -76,9 +76,11 @@ def run_ddpexp(
     m = json.loads((run_dir / "metrics.json").read_text())
     history = m["history"]
     last = history[-1]
+    facts = m["facts"]  # command_started_at is DDPEXP_T0: this script's clock, before the interpreter
+    first_step_at = facts["job_started_at"] + m.get("time_to_first_step_s", float("nan"))
     return {
         "samples_per_s": statistics.median(h["perf/samples_per_s"] for h in history[1:] or history),
-        "startup_s": m.get("time_to_first_step_s", float("nan")),
+        "startup_s": first_step_at - facts["command_started_at"],
         "data_wait": last.get("perf/data_wait_frac", 0.0),
         "comm_share": last.get("comm/share", 0.0),
         "peak_mb": last.get("mem/peak_mb", float("nan")),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,57 @@ def test_each_job_of_a_sweep_starts_its_own_clock(tmp_path: Path, monkeypatch):
     assert all(later >= end for later, end in zip(starts[1:], ends[:-1], strict=True)), (starts, ends)
     for start, end, r in zip(starts, ends, results, strict=True):
         assert 0 < metrics(r.run_dir)["time_to_first_step_s"] < end - start  # within its own job
+
+
+def test_the_first_job_of_a_sweep_is_timed_like_the_others(tmp_path: Path, monkeypatch):
+    """Job 0's clock starts when it starts, as every later job's does: after the command's start-up
+    (imports, pre-flight of every job) and after what the jobs share is ready (launch/warmup.finish:
+    the workers' forkserver done importing, training's modules imported for jobs run in this process).
+    Before, job 0 counted from the command's start and carried all of it: a sweep's first `single`
+    took 5.8 s to its first step and a repeat of it 0.1 s, and the report compared the two as the
+    strategy's. When the command started is kept (facts.command_started_at)."""
+    from ddpexp import preflight
+    from ddpexp.launch import warmup
+
+    moments: dict[str, float] = {}
+    checked, finished = preflight.preflight, warmup.finish
+
+    def timed_preflight(*args, **kwargs):
+        out = checked(*args, **kwargs)
+        moments["pre-flight done"] = time.time()
+        return out
+
+    def timed_finish():
+        finished()
+        moments.setdefault("warm", time.time())
+
+    monkeypatch.setattr(preflight, "preflight", timed_preflight)
+    monkeypatch.setattr(warmup, "finish", timed_finish)
+    monkeypatch.chdir(tmp_path)
+    before = time.time()
+    results = ddpexp.sweep([*QUICK, "trainer.max_steps=1", "strategy=single,ddp", "hydra.sweep.dir=sweep"])
+    assert [r.status for r in results] == ["completed", "completed"]
+    for r in results:
+        command, job = r.facts["command_started_at"], r.facts["job_started_at"]
+        assert before <= command < moments["pre-flight done"] <= moments["warm"] <= job, (moments, r.facts)
+
+
+@pytest.mark.multiproc
+def test_finish_waits_for_the_forkserver_s_imports_and_imports_what_in_process_jobs_need():
+    """What launch/warmup.finish promises the first job: the forkserver has imported torch (its
+    libtorch is mapped) and this process has imported the modules training loads on first use."""
+    code = (
+        "import sys\n"
+        "from ddpexp.launch import warmup\n"
+        "warmup.settle('forkserver', in_process=True)\n"
+        "warmup.finish()\n"
+        "server = warmup._server()._forkserver_pid\n"
+        "maps = open(f'/proc/{server}/maps').read()\n"
+        "print('libtorch_cpu' in maps, all(m in sys.modules for m in warmup.PRELOAD))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"], proc.stdout + proc.stderr
 
 
 def test_mypy_checks_strategies_against_the_contract(tmp_path: Path):

@@ -20,8 +20,6 @@ import os
 import sys
 import threading
 import time
-import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from ..job import Job
 from . import rendezvous
 from .heartbeat import Pulse, shared_cell
 from .supervise import Supervisor, Watch, Worker
-from .warmup import forkserver_context
+from .warmup import callers_script_hidden, forkserver_context
 
 INIT_URL_ENV = "DDPEXP_INIT_URL"
 
@@ -158,7 +156,7 @@ def _start_worker(
         name=f"ddpexp-rank{rank}",
         daemon=False,
     )
-    with _callers_script_hidden() if not _names_main(job["config"]) else contextlib.nullcontext():
+    with callers_script_hidden() if not _names_main(job["config"]) else contextlib.nullcontext():
         proc.start()
     tee = None
     if reader is not None and writer is not None:
@@ -166,21 +164,6 @@ def _start_worker(
         tee = threading.Thread(target=_tee, args=(reader, log_path), name=f"tee-rank{rank}", daemon=True)
         tee.start()
     return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee, pulse=Pulse(cell, time.time()))
-
-
-@contextlib.contextmanager
-def _callers_script_hidden() -> Iterator[None]:
-    """While a worker starts, `__main__` is a blank stand-in. multiprocessing hands every forkserver or
-    spawn child the parent's main script (or `-m` module) to run again first, as `__mp_main__`; a
-    worker is ddpexp's own program (worker.forked_main) and needs none of it. A user's script that calls
-    ddpexp.run at top level, without an `if __name__ == "__main__":` guard, would otherwise call it
-    again in every worker, which then fails at start-up."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__: nothing to run
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
 
 
 def _names_main(config: Any) -> bool:
