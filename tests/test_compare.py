@@ -20,7 +20,7 @@ import ddpexp
 from ddpexp import fsutil, report
 from ddpexp.composition import expand
 
-from .conftest import PARITY, QUICK, metrics, run_here
+from .conftest import PARITY, QUICK, REPO, metrics, run_here
 
 SHORT = [
     "data=synthetic",
@@ -476,6 +476,22 @@ def test_hparams_view_shows_what_the_sweep_varies_and_every_run_with_its_status(
     assert scalars("hparams/samples_per_s")[0].value == pytest.approx(history[-1]["perf/samples_per_s"])
     assert scalars("hparams/final_eval_acc")[0].value == pytest.approx(history[-1]["eval/acc"])
     assert scalars("hparams/peak_mem_mb")[0].value == pytest.approx(history[-1]["mem/peak_mb"])
+
+
+@pytest.mark.parametrize("preset", [False, True], ids=["command line", "preset"])
+def test_repeats_take_turns(tmp_path: Path, monkeypatch, preset: bool):
+    """trainer.repeats=N runs the sweep N times in rounds, every job once per round, as bench.py's
+    variants take turns: a drift in the machine's speed then slows every strategy alike, instead of all
+    N repeats of whichever strategy ran while it lasted. Also when a preset sets the sweep
+    (hydra.sweeper.params, which Hydra would otherwise put outermost)."""
+    monkeypatch.chdir(tmp_path)
+    sweep = ["experiment=one_process"] if preset else ["strategy=single,dp"]  # tests/conf/experiment
+    results = ddpexp.sweep(
+        [*sweep, *QUICK, "trainer.max_steps=1", "trainer.repeats=2", "hydra.sweep.dir=s"],
+        config_dir=str(REPO / "tests" / "conf"),
+    )
+    order = [(r.facts["repeat"], r.facts["strategy"]) for r in results]
+    assert order == [(0, "single"), (0, "dp"), (1, "single"), (1, "dp")], order
 
 
 def test_repeats_run_each_job_n_times_and_the_report_pools_them(tmp_path: Path, monkeypatch):
