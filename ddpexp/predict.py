@@ -874,6 +874,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"ddpexp-predict: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    wider = [p for p in points if p.devices > 1]
+    if args.strategy is None and wider and all(p.note is not None for p in wider):
+        # The usual baseline is a one-device run; the strategy to spread it is this command's flag.
+        print(
+            f"ddpexp-predict: {predictor.strategy.name} runs on one device: add --strategy ddp (or fsdp, "
+            "zero, naive_allreduce, ...; python -m ddpexp --help lists them) to predict it on more"
+        )
     print(render(predictor, points))
     return 0
 

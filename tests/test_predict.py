@@ -359,3 +359,17 @@ def test_the_table_prints_a_row_per_size_and_the_assumptions(
     assert [r[:2] for r in rows] == [["1", "1"], ["2", "1"], ["4", "1"]]
     assert rows[0][7] == "100.0%" and "assumptions:" in out
     assert not math.isnan(float(rows[2][5].replace(",", "")))
+
+
+def test_a_single_run_asked_about_more_devices_is_told_to_name_a_strategy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """The README's first example on the usual baseline, a `single` run, without --strategy: every row
+    but W=1 is refused, and the table says at its top how to get them (a flag of this command, not
+    the training command's strategy=)."""
+    run = make_run(tmp_path)
+    assert predict.main([str(run), "--interconnect", "nvlink4", "--devices", "1,2,4"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("ddpexp-predict: single runs on one device:") and "--strategy ddp" in first, first
+    assert predict.main([str(run), "--interconnect", "nvlink4", "--devices", "1,2", "--strategy", "ddp"]) == 0
+    assert "--strategy ddp" not in capsys.readouterr().out
