@@ -138,7 +138,14 @@ def test_the_ddp_step_breakdown_script_runs_every_variant(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
     import ddp_step_breakdown
 
-    out: queue.Queue[float] = queue.Queue()
+    out: queue.Queue[tuple[int, float, list]] = queue.Queue()
     for variant in ddp_step_breakdown.VARIANTS:
         ddp_step_breakdown.rank_main(0, 1, 4, variant, "unused", 5, out)
-        assert out.get_nowait() > 0, variant
+        rank, step, stamps = out.get_nowait()
+        assert rank == 0 and step > 0, variant
+        timed = variant in ddp_step_breakdown.TIMED_ALLREDUCE
+        assert len(stamps) == (4 if timed else 0) and all(0 < a <= b for a, b in stamps), variant
+    # Two ranks' stamps on one clock: rank 1 arrives 2 ms after rank 0, both leave 1 ms after it.
+    two = [[(0.000, 0.003), (0.010, 0.013)], [(0.002, 0.003), (0.012, 0.013)]]
+    skew, itself = ddp_step_breakdown.arrivals(two)
+    assert skew == pytest.approx(2.0) and itself == pytest.approx(1.0)
