@@ -37,31 +37,27 @@ PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
 PARITY_STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
 
 
-# Seconds each test file took in one full run on the development VM (2026-11-25; files under 10 s left
-# out). pytest-xdist hands out whole files (`--dist loadfile`, Makefile) in collection order
-# (`--no-loadscope-reorder`), so the longest start first and the short ones fill in at the end.
-# xdist's own order (most tests first) started test_bench (3 tests, 150 s) last, on one worker alone.
+# Seconds each test file took in one full run on the development VM (2026-11-25, `-n 2`, the pytest
+# phase 5 min 36 s; files under 10 s left out). pytest-xdist hands out whole files (`--dist loadfile`,
+# Makefile) in collection order (`--no-loadscope-reorder`), so the longest start first and the short
+# ones fill in at the end. xdist's own order (most tests first) started test_bench (3 tests, 150 s on
+# a slower VM) last, on one worker alone.
 FILE_SECONDS = {
-    "test_faults": 240,
-    "test_faults_restarts": 205,
-    "test_runs": 190,
-    "test_training": 125,
-    "test_bench": 120,
-    "test_compare": 120,
-    "test_faults_directories": 95,
-    "test_ps": 85,
-    "test_workloads": 85,
-    "test_fsdp": 55,
-    "test_pipeline": 40,
-    "test_architecture": 40,
-    "test_cli": 35,
-    "test_zero_and_comm_hooks": 30,
-    "test_own_model": 25,
-    "test_commbench": 20,
-    "test_data_models": 20,
-    "test_ring": 20,
-    "test_config": 15,
-    "test_strategies": 15,
+    "test_faults": 108,
+    "test_runs": 87,
+    "test_faults_restarts": 85,
+    "test_bench": 76,
+    "test_compare": 39,
+    "test_faults_directories": 35,
+    "test_architecture": 33,
+    "test_ps": 32,
+    "test_workloads": 32,
+    "test_training": 31,
+    "test_pipeline": 18,
+    "test_fsdp": 17,
+    "test_zero_and_comm_hooks": 15,
+    "test_cli": 13,
+    "test_own_model": 12,
 }
 
 
