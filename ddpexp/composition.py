@@ -101,15 +101,13 @@ def expand(
         ) from exc
     params = base.hydra.sweeper.get("params") or {}
     basic = str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
-    swept = [f"{k}={v}" for k, v in params.items()] + overrides
-    if basic and any(o.key_or_group == "repeat" and o.is_sweep_override() for o in _parse(parser, swept)):
+    combined = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
+    if basic and any(o.key_or_group == "repeat" and o.is_sweep_override() for o in combined):
         # trainer.repeats: the basic sweeper's product varies its first sweep slowest, so `repeat`
-        # goes first and every job runs once per round, in turn; a preset's sweep (which Hydra puts
-        # before the command line's) moves onto the command line behind it.
-        repeat = [o for o in swept if override_key(o) == "repeat"]
-        swept = repeat + [o for o in swept if override_key(o) != "repeat"]
-        overrides = (["hydra.sweeper.params=null"] if params else []) + swept
-    combined = _parse(parser, swept)
+        # goes first (a stable sort) and every job runs once per round, in turn; a preset's sweep
+        # (which Hydra puts before the command line's) moves onto the command line behind it.
+        combined = sorted(combined, key=lambda o: o.key_or_group != "repeat")
+        overrides = (["hydra.sweeper.params=null"] if params else []) + [o.input_line or "" for o in combined]
     combined = _parse(parser, _into_swept_groups(combined, _swept_groups(combined)))
     varying = {o.key_or_group for o in combined if o.is_sweep_override()}
     choices = [_values(o, every=basic) for o in combined]

@@ -49,7 +49,7 @@ def rank_main(rank: int, world: int, batch: int, variant: str, init: str, steps:
     all-reduce]) on `out`. A variant that communicates joins the process group at `init` (or uses the
     one this process is already in, as a test does)."""
     torch.set_num_threads(1)
-    talks = variant in ("allreduce", "ddp", "lockstep") and not dist.is_initialized()
+    talks = variant in (*TIMED_ALLREDUCE, "ddp") and not dist.is_initialized()
     if talks:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.manual_seed(0)
