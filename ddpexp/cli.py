@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
         warmup.start_early()  # importing torch on another core while this process imports its own
     _import_torch()
     from .composition import CONFIG_NAME, search_path_override
+    from .plan import ExternalWorld
     from .preflight import preflight
     from .runner import claim_output, run_jobs
-    from .validate import ExternalWorld
 
     world = torchrun.world()
     name = args.config_name or CONFIG_NAME
@@ -169,8 +169,7 @@ def _is_plain_run(args: Any) -> bool:
 def _hydra_main(argv: list[str]) -> int:
     import hydra
 
-    from .composition import CONFIG_NAME, conf_dir
-    from .config import register_schema
+    from .composition import CONFIG_NAME, conf_dir, register_schema
 
     register_schema()
     sys.argv = [sys.argv[0], *argv]

@@ -39,13 +39,23 @@ def search_path_override(config_dir: str | None) -> list[str]:
     return [f"hydra.searchpath=[file://{path}]"]
 
 
+def register_schema() -> None:
+    """Make the schema available to conf/config.yaml's defaults list as `config_schema`, and every
+    built-in strategy's own schema as `<name>_schema` (importing a strategy module registers it)."""
+    from hydra.core.config_store import ConfigStore
+
+    from . import strategies
+    from .config import Config
+
+    ConfigStore.instance().store(name="config_schema", node=Config)
+    strategies.load_builtins()
+
+
 @contextmanager
 def composer(config_name: str = CONFIG_NAME) -> Iterator[Compose]:
     """Hydra's compose API on ddpexp's config tree; composition errors become one-line UserErrors."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from .config import register_schema
 
     register_schema()
     GlobalHydra.instance().clear()
@@ -294,7 +304,7 @@ def remote_host(cfg: DictConfig) -> Any:
     """Jobs that a launcher plugin runs elsewhere (Slurm) are checked against that machine's declared
     GPUs, not this one's: a login node without GPUs must not veto a GPU job. Their own host re-checks
     everything before starting. One Slurm node and one task per job: ddpexp spawns the workers there."""
-    from .validate import HostFacts
+    from .plan import HostFacts
 
     launcher = cfg.hydra.launcher
     target = str(launcher.get("_target_", "BasicLauncher"))

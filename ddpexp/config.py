@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from .commbench.settings import CommbenchConfig
@@ -257,12 +256,3 @@ class Config:
     # The collective benchmark's settings (python -m ddpexp.commbench, conf/commbench.yaml); null in a
     # training run. A job whose config has them runs the benchmark in its workers instead of training.
     commbench: CommbenchConfig | None = None
-
-
-def register_schema() -> None:
-    """Make the schema available to conf/config.yaml's defaults list as `config_schema`, and every
-    built-in strategy's own schema as `<name>_schema` (importing a strategy module registers it)."""
-    from . import strategies
-
-    ConfigStore.instance().store(name="config_schema", node=Config)
-    strategies.load_builtins()

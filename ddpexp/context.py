@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import host
-from .launch.heartbeat import Heartbeat
-from .validate import Plan
+from .heartbeat import Heartbeat
+from .plan import Plan
 
 if TYPE_CHECKING:
     from .job import Job
@@ -81,23 +81,14 @@ class RunContext:
         Self-launched workers get the same variables from ddpexp's launcher, so both paths agree.
         In-process runs have none of them set and are rank 0 of 1.
         """
-        from . import strategies
-
         env = os.environ if env is None else env
         local_rank = int(env.get("LOCAL_RANK", 0))
-        strategy, settings = strategies.resolve(job.cfg.strategy)
-        devices = strategy.process_devices(
-            settings,
-            device_type=job.plan.device_type,
-            local_rank=local_rank,
-            count=job.plan.devices_per_process,
-        )
         tty = env[TTY_ENV] == "1" if TTY_ENV in env else sys.stdout.isatty()
         return cls(
             rank=int(env.get("RANK", 0)),
             local_rank=local_rank,
             world_size=int(env.get("WORLD_SIZE", 1)),
-            devices=devices,
+            devices=job.plan.process_devices(local_rank),
             run_dir=job.run_dir,
             plan=job.plan,
             attempt=int(env.get(ATTEMPT_ENV) or env.get("TORCHELASTIC_RESTART_COUNT") or 0),

@@ -25,7 +25,7 @@ from . import distributed, memory
 from .config import OnNonFinite, Precision
 from .data.loaders import Loader
 from .errors import UserError
-from .launch.heartbeat import Heartbeat, Preempted
+from .heartbeat import Heartbeat, Preempted
 from .recorder import NullRecorder
 from .strategies import Wrapped
 from .strategies.comm import KINDS
@@ -34,7 +34,7 @@ from .tasks import Classification, Task
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from .validate import Plan
+    from .plan import Plan
 
 log = logging.getLogger(__name__)
 

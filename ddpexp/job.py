@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import Config
 from .fsutil import atomic_write_text
-from .validate import Plan
+from .plan import Plan
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"
@@ -93,3 +93,12 @@ class Job:
         config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG_FILE))
         extra = json.loads((run_dir / PLAN_FILE).read_text())
         return cls.from_dict({"config": config, "run_dir": str(run_dir), **extra})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one job ended, as the command that ran it reports it."""
+
+    run_dir: Path
+    exit_code: int
+    error: str | None = None  # a refused job's one-line reason (the launcher reports run failures itself)

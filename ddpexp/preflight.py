@@ -17,7 +17,8 @@ from . import composition, faults, optim
 from .context import FAULT_ENV
 from .errors import UserError
 from .launch import warmup
-from .validate import ExternalWorld, HostFacts, Plan, check_split_sizes, plan
+from .plan import ExternalWorld, HostFacts, Plan
+from .validate import check_split_sizes, plan
 
 
 @dataclass(frozen=True)

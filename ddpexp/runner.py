@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import composition, fsutil, host
 from .errors import UserError
+from .job import Outcome
 from .launch import warmup
 from .recorder import METRICS_FILE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    run_dir: Path
-    exit_code: int
-    error: str | None = None  # a refused job's one-line reason (the launcher reports run failures itself)
 
 
 class JobFailed(Exception):
@@ -76,8 +69,6 @@ def run_jobs(
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from .config import register_schema
-
     outcomes: list[Outcome] = []
     here = os.getpid()
 
@@ -93,7 +84,7 @@ def run_jobs(
             raise JobFailed(str(outcome.run_dir), outcome.exit_code, outcome.error)
         return best_value(outcome.run_dir)
 
-    register_schema()
+    composition.register_schema()
     GlobalHydra.instance().clear()
     try:
         conf = composition.conf_dir()
@@ -164,8 +155,8 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
     from . import launch
     from .job import Job
     from .launch import torchrun
+    from .plan import ExternalWorld, HostFacts
     from .preflight import check_job
-    from .validate import ExternalWorld, HostFacts
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

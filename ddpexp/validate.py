@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
@@ -17,85 +16,13 @@ from omegaconf import DictConfig
 from . import strategies
 from .config import Device, InitMethod, Mode, Precision
 from .errors import UserError, require_positive
+from .plan import ExternalWorld, HostFacts, Plan
 
 if TYPE_CHECKING:
     from .strategies import Strategy
 
 BACKENDS = ("nccl", "gloo", "mpi")
 _COMBINED_BACKEND = re.compile(r"^(cpu|cuda):(nccl|gloo|mpi)(,(cpu|cuda):(nccl|gloo|mpi))*$")
-
-
-@dataclass(frozen=True)
-class HostFacts:
-    """What this machine can do, probed once in the parent (tests build it by hand)."""
-
-    cuda_devices: int
-    nccl: bool
-    gloo: bool
-    mpi: bool
-
-    @classmethod
-    def probe(cls) -> HostFacts:
-        import torch
-        import torch.distributed as dist
-
-        return cls(
-            cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            nccl=dist.is_available() and dist.is_nccl_available(),
-            gloo=dist.is_available() and dist.is_gloo_available(),
-            mpi=dist.is_available() and dist.is_mpi_available(),
-        )
-
-
-@dataclass(frozen=True)
-class ExternalWorld:
-    """The process layout an external launcher (torchrun) decided for us."""
-
-    world_size: int
-    local_world_size: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    strategy: str
-    launcher: str  # inprocess | spawn | torchrun
-    device_type: str  # cpu | cuda
-    backend: str | None  # None: no process group (single-process strategies)
-    init: str
-    world_size: int
-    nprocs_per_node: int
-    devices_per_process: int
-    global_batch: int
-    per_rank_batch: int
-    eval_per_rank_batch: int
-    replicas: int  # model replicas sharing one global batch (world size; DataParallel: its GPUs)
-    # Data shards of each global batch (Strategy.data_layout): the world size, unless ranks share a
-    # shard (pipeline stages, a parameter server). per_rank_batch = global / (data_parallel x accumulate).
-    data_parallel: int = 0
-    shard_of_rank: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.data_parallel:  # a plan.json written before data layouts existed
-            object.__setattr__(self, "data_parallel", self.world_size)
-        layout = tuple(self.shard_of_rank) or tuple(range(self.world_size))  # from JSON: a list
-        object.__setattr__(self, "shard_of_rank", layout)
-
-    @property
-    def devices(self) -> int:
-        """Devices training in parallel: GPUs on CUDA; on CPU a process's "devices" are the same cores,
-        so processes count."""
-        return self.world_size * (self.devices_per_process if self.device_type == "cuda" else 1)
-
-    def steps_per_epoch(self, train_samples: int, accumulate: int) -> int:
-        """Optimizer steps one epoch of `train_samples` gives (each rank's shard in whole micro-batches)."""
-        return train_samples // self.data_parallel // self.per_rank_batch // accumulate
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        return cls(**d)
 
 
 def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None) -> Plan:
@@ -152,6 +79,7 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         replicas=shards if strategy.uses_process_group else k,
         data_parallel=shards,
         shard_of_rank=layout,
+        pinned_devices=strategy.pinned_devices(settings) if device_type == "cuda" else (),
     )
     strategy.check(settings, plan=result, host=host)
     return result

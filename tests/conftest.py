@@ -144,8 +144,7 @@ def hydra_conf():
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from ddpexp.composition import conf_dir
-    from ddpexp.config import register_schema
+    from ddpexp.composition import conf_dir, register_schema
 
     register_schema()
     GlobalHydra.instance().clear()

@@ -217,8 +217,8 @@ def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tm
     ],
 )
 def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
+    from ddpexp.plan import HostFacts
     from ddpexp.preflight import check_job
-    from ddpexp.validate import HostFacts
 
     def comp(overrides: list[str]):
         return compose(config_name="config", overrides=overrides, return_hydra_config=True)
@@ -297,8 +297,8 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
     """Composition only: eight jobs, one per strategy variant, the BatchNorm-free ConvNet on digits at
     one global batch on a CPU (ps: a server and two workers); eight distinct labels in the report."""
     from ddpexp.facts import strategy_settings
+    from ddpexp.plan import HostFacts
     from ddpexp.preflight import check_job
-    from ddpexp.validate import HostFacts
 
     comp, expanded, options = _strategy_preset("architectures")
     assert options == list(ARCHITECTURES)

@@ -13,7 +13,8 @@ from ddpexp import models, optim, tasks
 from ddpexp.composition import conf_dir
 from ddpexp.data import DataSource
 from ddpexp.help import help_text
-from ddpexp.validate import HostFacts, plan
+from ddpexp.plan import HostFacts
+from ddpexp.validate import plan
 
 from .fake_data import WRITERS
 
@@ -146,7 +147,7 @@ def test_more_processes_than_gpus_is_refused(overrides: list[str], words: list[s
 def test_checkpoint_on_signal_under_torchrun_is_refused_with_the_way_out():
     """torchrun stops its workers itself on SIGTERM, before they could save: refused, not ignored."""
     from ddpexp.errors import UserError
-    from ddpexp.validate import ExternalWorld
+    from ddpexp.plan import ExternalWorld
 
     cfg = compose(config_name="config", overrides=["strategy=ddp", "trainer.checkpoint_on_signal=true"])
     with pytest.raises(UserError) as refused:

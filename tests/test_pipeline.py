@@ -16,8 +16,9 @@ from hydra import compose
 
 from ddpexp import load_model
 from ddpexp.errors import UserError
+from ddpexp.plan import HostFacts
 from ddpexp.strategies.pipeline import Pipeline, PipelineConfig, StageTimer
-from ddpexp.validate import HostFacts, plan
+from ddpexp.validate import plan
 
 from .conftest import (
     PARITY,

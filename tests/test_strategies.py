@@ -13,8 +13,9 @@ from torch import nn
 from ddpexp import models
 from ddpexp.composition import conf_dir
 from ddpexp.errors import UserError
+from ddpexp.plan import HostFacts
 from ddpexp.strategies.ddp_mp import Pipeline, group
-from ddpexp.validate import HostFacts, plan
+from ddpexp.validate import plan
 
 MODELS = sorted(f.stem for f in (Path(conf_dir()) / "model").glob("*.yaml"))
 
@@ -72,6 +73,22 @@ def test_plan(overrides: list[str], gpus: int, expect: dict[str, object]):
     p = plan(compose(config_name="config", overrides=overrides), _host(gpus))
     for key, value in expect.items():
         assert getattr(p, key) == value, key
+
+
+def test_the_plan_names_each_process_devices():
+    """The devices a worker drives are decided in the parent, with the plan: by local rank, or the ones
+    dp's strategy.device_ids pins."""
+    import torch
+
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    pinned = plan(
+        compose(config_name="config", overrides=["strategy=dp", "strategy.device_ids=[1,3]"]), _host(4)
+    )
+    assert pinned.process_devices(0) == (cuda[1], cuda[3])
+    two_each = plan(compose(config_name="config", overrides=["strategy=ddp_mp"]), _host(4))
+    assert [two_each.process_devices(r) for r in (0, 1)] == [tuple(cuda[:2]), tuple(cuda[2:])]
+    on_cpu = plan(compose(config_name="config", overrides=["strategy=ddp_mp"]), _host(0))
+    assert on_cpu.process_devices(1) == (torch.device("cpu"), torch.device("cpu"))
 
 
 def test_gpu_layout_refusals():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpexp.launch.heartbeat import BEATS, SLOW, Heartbeat, Pulse
+from ddpexp.heartbeat import BEATS, SLOW, Heartbeat, Pulse
 from ddpexp.launch.supervise import Supervisor, Watch, Worker
 
 
@@ -78,7 +78,7 @@ def test_a_second_sigterm_inside_the_first_s_handler_cannot_give_ranks_different
     saved at different steps and the run hung (seen under pytest-xdist). One decision per run."""
     import signal
 
-    from ddpexp.launch.heartbeat import SIZE, STOP
+    from ddpexp.heartbeat import SIZE, STOP
 
     cells = [[0.0] * SIZE for _ in range(2)]
     workers = [

@@ -14,7 +14,7 @@ from ..errors import UserError
 from . import Op
 
 if TYPE_CHECKING:
-    from ..validate import Plan
+    from ..plan import Plan
 
 SMOKE_MAX_BYTES = 64 * 2**10
 SMOKE_WARMUP = 1

@@ -4,78 +4,30 @@ each worker then loads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import Dataset, TensorDataset
+from ..errors import UserError
+from .external import SETTINGS, External, keyword_parameters
+from .source import (
+    DataInfo,
+    DataSource,
+    Split,
+    Splits,
+    corrupt_file_error,
+    missing_files_error,
+    resolve_root,
+)
 
-
-@dataclass(frozen=True)
-class DataInfo:
-    """What a model needs to know to fit the data (wired into the model's build function)."""
-
-    num_classes: int
-    input_shape: tuple[int, ...]  # (C, H, W) for images; (L,) token ids for text
-    vocab_size: int | None = None  # text only: rows of the embedding table
-    pad_index: int | None = None  # text only: the padding token's id
-    # What the targets are: "class" indices (num_classes = classes) or float "value"s for regression
-    # (num_classes = outputs per sample). The task must match (ddpexp/tasks.py).
-    targets: str = "class"
-    # Split sizes, where the source knows them without loading (pre-flight refuses a run that would
-    # take no optimizer step); None: checked by each worker once the data is loaded.
-    train_samples: int | None = None
-    eval_samples: int | None = None
-
-    def model_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"num_classes": self.num_classes, "input_shape": list(self.input_shape)}
-        if self.vocab_size is not None:
-            kwargs.update(vocab_size=self.vocab_size, pad_index=self.pad_index)
-        return kwargs
-
-
-@dataclass
-class Split:
-    dataset: Dataset[Any]
-    # (inputs, targets) when the whole split is in memory with no per-sample transform: lets the
-    # device-resident loader skip the DataLoader entirely.
-    tensors: tuple[torch.Tensor, torch.Tensor] | None = None
-    collate: Callable[[list[Any]], Any] | None = None
-    # Batch-level training augmentation, applied on the device (e.g. CIFAR crop + flip).
-    augment: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    @classmethod
-    def from_tensors(cls, x: torch.Tensor, y: torch.Tensor) -> Split:
-        return cls(dataset=TensorDataset(x, y), tensors=(x, y))
-
-
-@dataclass
-class Splits:
-    train: Split
-    eval: Split
-    info: DataInfo
-    # Identifies derived state that must be identical on every rank (e.g. a vocabulary's hash).
-    fingerprint: str | None = None
-
-
-class DataSource:
-    """A dataset before loading. Subclasses override what applies to them."""
-
-    name = "dataset"
-
-    def info(self) -> DataInfo:
-        raise NotImplementedError
-
-    def check(self) -> None:
-        """Raise UserError if the data cannot be loaded (files missing...). Cheap, no side effects."""
-
-    def prepare(self, work_dir: Path) -> None:
-        """Once per run, on rank 0 only, before the others load (downloads, vocabularies)."""
-
-    def load(self, work_dir: Path) -> Splits:
-        raise NotImplementedError
+__all__ = [
+    "DataInfo",
+    "DataSource",
+    "Split",
+    "Splits",
+    "build_source",
+    "corrupt_file_error",
+    "missing_files_error",
+    "resolve_root",
+]
 
 
 def build_source(data_cfg: Any) -> DataSource:
@@ -84,9 +36,6 @@ def build_source(data_cfg: Any) -> DataSource:
     num_classes held back from builders that do not declare them)."""
     from hydra.utils import get_method, instantiate
     from omegaconf import OmegaConf
-
-    from ..errors import UserError
-    from .external import SETTINGS, External, keyword_parameters
 
     target = str(data_cfg["_target_"])
     declared = keyword_parameters(get_method(target)) or set()
@@ -104,34 +53,3 @@ def build_source(data_cfg: Any) -> DataSource:
         return made
     settings = {**SETTINGS, **{k: v for k, v in held.items() if v is not None}}
     return External(made, target=target, **settings)
-
-
-def resolve_root(root: str) -> Path:
-    """Dataset roots are relative to the directory ddpexp was started from (never the run dir)."""
-    return Path(root).expanduser().resolve()
-
-
-def missing_files_error(
-    name: str, expected: Path, setting_root: str, missing: list[str] | None = None
-) -> Exception:
-    """`missing`: the files that are not there, named when only some are (an interrupted copy)."""
-    from ..errors import UserError
-
-    which = f" ({', '.join(missing)} missing)" if missing else ""
-    return UserError(
-        f"{name} files not found at {expected}{which} and data.download=false",
-        setting="data.root",
-        fix=f"set data.download=true (needs network), point data.root={setting_root} elsewhere, "
-        "or use data=digits (ships with scikit-learn)",
-    )
-
-
-def corrupt_file_error(path: Path, problem: str) -> Exception:
-    """A dataset file that is there but damaged (a cut-off download, another file under its name)."""
-    from ..errors import UserError
-
-    return UserError(
-        f"{path}: {problem}",
-        setting="data.root",
-        fix="delete the file and run with data.download=true to fetch it again, or copy in an intact one",
-    )

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from . import DataInfo, DataSource, Split, Splits
+from .source import DataInfo, DataSource, Split, Splits
 
 SAMPLES = 1797  # the scans scikit-learn ships (load() reads them; a test checks the count)
 

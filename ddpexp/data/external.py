@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
 from ..errors import UserError
-from . import DataInfo, DataSource, Split, Splits
+from .source import DataInfo, DataSource, Split, Splits
 
 # ddpexp's settings for the datasets it wraps, and their defaults.
 SETTINGS: dict[str, Any] = {"val_fraction": 0.1, "split_seed": 0, "num_classes": None}

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..errors import UserError
-from . import DataInfo, DataSource, Split, Splits, resolve_root
+from .source import DataInfo, DataSource, Split, Splits, resolve_root
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

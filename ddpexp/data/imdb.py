@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..fsutil import atomic_write_text
-from . import DataInfo, DataSource, Split, Splits, missing_files_error, resolve_root
+from .source import DataInfo, DataSource, Split, Splits, missing_files_error, resolve_root
 
 PAD, UNK = "<pad>", "<unk>"
 VOCAB_FILE = "vocab.json"

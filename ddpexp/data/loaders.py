@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import UserError
-from . import Split
+from .source import Split
 
 Batch = tuple[Any, torch.Tensor]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import DataInfo, DataSource, Split, Splits
+from .source import DataInfo, DataSource, Split, Splits
 
 
 class Synthetic(DataSource):

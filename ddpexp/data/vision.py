@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import DataInfo, DataSource, Split, Splits, corrupt_file_error, missing_files_error, resolve_root
+from .source import DataInfo, DataSource, Split, Splits, corrupt_file_error, missing_files_error, resolve_root
 
 MNIST_SPLITS = ("train", "t10k")
 # IDX magic numbers: 0x08 = unsigned bytes, then the number of dimensions.

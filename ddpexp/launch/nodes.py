@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 
 if TYPE_CHECKING:
-    from ..job import Job
-    from ..runner import Outcome
-    from ..validate import Plan
+    from ..job import Job, Outcome
+    from ..plan import Plan
 
 JOB_KEY = "ddpexp/job"
 POLL_S = 0.2
@@ -65,8 +64,7 @@ def lead(job: Job) -> int:
 def follow(cfg: Any, plan: Plan) -> Outcome:
     """Node 1, 2...: take node 0's job and run this node's workers in node 0's run directory. `cfg` and
     `plan` are this node's own (pre-flight checked them): they must agree with node 0's layout."""
-    from ..job import CONFIG_FILE
-    from ..runner import Outcome
+    from ..job import CONFIG_FILE, Outcome
     from .spawn import spawn
 
     d = cfg.dist

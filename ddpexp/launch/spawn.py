@@ -20,20 +20,18 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import StartMethod
 from ..context import ATTEMPT_ENV, PARENT_PID_ENV, TTY_ENV
 from ..errors import UserError
+from ..heartbeat import Pulse, shared_cell
 from ..job import Job
 from . import rendezvous
-from .heartbeat import Pulse, shared_cell
 from .supervise import Supervisor, Watch, Worker
 from .warmup import callers_script_hidden, forkserver_context
-
-INIT_URL_ENV = "DDPEXP_INIT_URL"
+from .worker import INIT_URL_ENV, WorkerSpec, forked_main
 
 
 def context(method: StartMethod) -> Any:
@@ -126,20 +124,6 @@ def _archive_errors(run_dir: Path, attempt: int) -> None:
         path.rename(path.with_name(path.name.replace(".error.json", f".attempt{attempt}.error.json")))
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a forked or spawned worker process receives (pickled): its job from the launcher itself
-    (never from whatever config.yaml holds when the worker starts: the file is a record for people),
-    everything else from its environment, as a worker started any other way would."""
-
-    rank: int
-    env: dict[str, str]
-    log_path: str
-    console: Any  # rank 0: the write end of a pipe to the launcher's console; None for the others
-    job: dict[str, Any]  # Job.to_dict() of this attempt
-    heartbeat: Any  # the shared array the worker beats into (launch/heartbeat.py)
-
-
 def _start_worker(
     ctx: Any, rank: int, local_rank: int, common: dict[str, str], logs: Path, job: dict[str, Any]
 ) -> Worker:
@@ -147,8 +131,6 @@ def _start_worker(
     log_path = logs / f"rank{rank}.log"
     reader, writer = ctx.Pipe(duplex=False) if rank == 0 else (None, None)
     cell = shared_cell(ctx)
-    from .worker import forked_main
-
     spec = WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer, job=job, heartbeat=cell)
     proc = ctx.Process(
         target=forked_main,

@@ -28,8 +28,8 @@ from types import FrameType
 from typing import Any, Protocol
 
 from ..errors import UserError
+from ..heartbeat import STOP_NOW, Heartbeat, Pulse
 from ..recorder import METRICS_FILE, finish_metrics
-from .heartbeat import STOP_NOW, Heartbeat, Pulse
 
 POLL_S = 0.05
 GRACE_S = 5.0

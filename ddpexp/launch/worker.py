@@ -20,19 +20,36 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..context import PARENT_PID_ENV, RunContext
 from ..errors import UserError
 from ..fsutil import atomic_write_text
+from ..heartbeat import Heartbeat, Preempted
 from ..job import Job
-from .heartbeat import Heartbeat, Preempted
 from .leave import exit_now
-from .spawn import INIT_URL_ENV, WorkerSpec
 from .supervise import STACK_SIGNAL, Interrupted, error_file, forward_to_launcher, sigterm_raises
 
 log = logging.getLogger(__name__)
+
+
+INIT_URL_ENV = "DDPEXP_INIT_URL"  # the process group's init URL, from a self-launching launcher
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a forked or spawned worker process receives (pickled): its job from the launcher itself
+    (never from whatever config.yaml holds when the worker starts: the file is a record for people),
+    everything else from its environment, as a worker started any other way would."""
+
+    rank: int
+    env: dict[str, str]
+    log_path: str
+    console: Any  # rank 0: the write end of a pipe to the launcher's console; None for the others
+    job: dict[str, Any]  # Job.to_dict() of this attempt
+    heartbeat: Any  # the shared array the worker beats into (ddpexp/heartbeat.py)
 
 
 def execute(job: Job, ctx: RunContext, *, url: str | None = None, store: Any = None) -> dict[str, float]:

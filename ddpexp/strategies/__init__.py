@@ -11,7 +11,7 @@ lives anywhere importable: its YAML sets `module: your.module`, which ddpexp imp
 and in every worker before use (tests/tiny_strategy.py is one).
 
 What the contract covers, in the order a run uses it:
-  launch arithmetic   uses_process_group, devices_per_process, default_nprocs, process_devices
+  launch arithmetic   uses_process_group, devices_per_process, default_nprocs, pinned_devices
   data layout         data_layout: which shard of every global batch each rank reads (default: its own)
   before launch       check (against the plan), check_model (on a model built on the meta device)
   in each worker      wrap -> Wrapped, build_optimizer
@@ -43,7 +43,7 @@ from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +150,10 @@ class Strategy(ABC, Generic[C]):
             return max(host.cuda_devices // devices_per_process, 1)
         return 2
 
-    def process_devices(
-        self, settings: C, *, device_type: str, local_rank: int, count: int
-    ) -> tuple[torch.device, ...]:
-        """The devices one process drives; batches go to the first."""
-        if device_type == "cuda":
-            return tuple(torch.device("cuda", local_rank * count + i) for i in range(count))
-        return tuple(torch.device("cpu") for _ in range(count))
+    def pinned_devices(self, settings: C) -> tuple[int, ...]:
+        """The GPUs each process drives, when the strategy names them; empty: the plan assigns them by
+        local rank (see `Plan.process_devices`)."""
+        return ()
 
     def data_layout(self, settings: C, *, world_size: int) -> list[int]:
         """The data shard each rank reads, by rank: every rank its own (data parallelism) by default.

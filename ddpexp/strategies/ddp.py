@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from .ddp import (
 
 if TYPE_CHECKING:
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 
 @dataclass

@@ -9,7 +9,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 from torch.nn import DataParallel
 
 from ..config import StrategyConfig
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +43,8 @@ class DP(Strategy[DpConfig]):
             return 1
         return len(settings.device_ids) if settings.device_ids is not None else host.cuda_devices
 
-    def process_devices(
-        self, settings: DpConfig, *, device_type: str, local_rank: int, count: int
-    ) -> tuple[torch.device, ...]:
-        if device_type == "cuda" and settings.device_ids is not None:
-            return tuple(torch.device("cuda", i) for i in settings.device_ids)
-        return super().process_devices(settings, device_type=device_type, local_rank=local_rank, count=count)
+    def pinned_devices(self, settings: DpConfig) -> tuple[int, ...]:
+        return tuple(settings.device_ids or ())
 
     def check(self, settings: DpConfig, *, plan: Plan, host: HostFacts) -> None:
         ids = settings.device_ids

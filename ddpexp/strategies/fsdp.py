@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 log = logging.getLogger(__name__)
 

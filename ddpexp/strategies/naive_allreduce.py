@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 
 class Algorithm(StrEnum):

@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ..context import RunContext
+    from ..plan import HostFacts, Plan
     from ..tasks import Loss
-    from ..validate import HostFacts, Plan
 
 # The member name is what Hydra matches (strategy.schedule=1f1b), so the functional form.
 Schedule = StrEnum("Schedule", [("gpipe", "gpipe"), ("1f1b", "1f1b")])

@@ -89,7 +89,7 @@ from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
     from ..context import RunContext
-    from ..validate import HostFacts, Plan
+    from ..plan import HostFacts, Plan
 
 # `async` is a Python keyword: the functional form gives the member the name a user types (OmegaConf
 # matches a string to an Enum member by name).
