@@ -1,0 +1,147 @@
+"""A run's record (metrics.json, which rank 0's recorder writes) read back, and what it means.
+
+The lowest layer of reading results: the standard library only (no torch, nothing of ddpexp above
+fsutil), so the report, the cost model, the HParams view and the in-process API can all use it.
+
+    METRICS_FILE            the record's file name in a run directory
+    read_run_record(where)  the one reader: a RunRecord, None when the run left no record yet, or
+                            RunRecordError (a ValueError) when the file is there but unreadable
+    RunRecord               what the record holds, typed (status, facts, final, best, history,
+                            started_at, wall_s, time_to_first_step_s, attempts, error, nonfinite), and
+                            the whole parsed file as `raw`, so no reader loses a key
+    steady(per_epoch)       per-epoch values without the warm-up epoch
+    strategy_label(facts)   "ddp comm_hook=bf16": the strategy and its settings that differ from defaults
+
+What the recorder writes (ddpexp/recorder.py): `status` (running, completed, failed, ...), `facts`
+(the job's settings and host, ddpexp/facts.py), `final` (the last epoch's values), `best` (the epoch
+whose best metric was best), `history` (one record per epoch), `started_at` (the recorder's start, Unix
+seconds), `wall_s` (its start to its close), `time_to_first_step_s`, `attempts` (a resumed run counts
+its attempts), `error` (how a failed run failed) and `nonfinite` (keys whose NaN/inf was written as null).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.json"
+
+
+class RunRecordError(ValueError):
+    """A metrics.json that is there but cannot be read as a record (truncated, not JSON, not a JSON
+    object, unreadable). `cause` is the exception behind it (JSONDecodeError, PermissionError...)."""
+
+    def __init__(self, path: Path, cause: BaseException | str) -> None:
+        self.path = path
+        self.cause = cause
+        why = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
+        super().__init__(f"{path} is not a readable run record ({why})")
+
+    @property
+    def kind(self) -> str:
+        """The cause's type name (JSONDecodeError, PermissionError) or "not an object"."""
+        return type(self.cause).__name__ if isinstance(self.cause, BaseException) else self.cause
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """metrics.json, typed. Missing or mistyped keys read as empty (a record written before a key
+    existed, or by a run that stopped early); numbers that are not finite read as None."""
+
+    path: Path  # the metrics.json file
+    status: str = "unknown"
+    facts: dict[str, Any] = field(default_factory=dict)
+    final: dict[str, Any] = field(default_factory=dict)
+    best: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one record per epoch, in order
+    started_at: float | None = None  # the recorder's start (Unix seconds)
+    wall_s: float | None = None  # the recorder's start to its close
+    time_to_first_step_s: float | None = None
+    attempts: int = 1  # 2 and more: resumed
+    error: str | None = None
+    nonfinite: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)  # the whole file as parsed
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: Path) -> RunRecord:
+        attempts = data.get("attempts")
+        error = data.get("error")
+        return cls(
+            path=path,
+            status=str(data.get("status") or "unknown"),
+            facts=_dict(data.get("facts")),
+            final=_dict(data.get("final")),
+            best=_dict(data.get("best")),
+            history=[h for h in data.get("history") or [] if isinstance(h, dict)],
+            started_at=finite_number(data.get("started_at")),
+            wall_s=finite_number(data.get("wall_s")),
+            time_to_first_step_s=finite_number(data.get("time_to_first_step_s")),
+            attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else 1,
+            error=None if error is None else str(error),
+            nonfinite=[str(key) for key in data.get("nonfinite") or []],
+            raw=data,
+        )
+
+
+def read_run_record(where: Path | str) -> RunRecord | None:
+    """The record of a run: `where` is its directory (metrics.json inside it) or the file itself.
+
+    None when there is no record (the directory or file does not exist, or the run has not written
+    one yet): a normal state that every caller must decide about. A record that is there but cannot be
+    read (truncated by a crash, not JSON, not a JSON object, no permission) raises RunRecordError,
+    whose message names the file and the cause."""
+    path = Path(where)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunRecordError(path, exc) from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise RunRecordError(path, exc) from exc
+    if not isinstance(data, dict):
+        raise RunRecordError(path, "not an object")
+    return RunRecord.from_dict(data, path)
+
+
+def steady(per_epoch: list[float]) -> list[float]:
+    """Per-epoch values without the first when there are several: the first epoch includes warm-up
+    (compilation, caches, rendezvous skew). The one definition the report's samples/s, the HParams
+    view's and the cost model's per-step numbers share."""
+    return per_epoch[1:] if len(per_epoch) > 1 else per_epoch
+
+
+def strategy_label(facts: dict[str, Any]) -> str:
+    """The strategy and the settings it ran with that differ from its defaults, so that variants of one
+    strategy (fsdp with and without reshard_after_forward, ddp with each comm_hook) read apart."""
+    settings = dict(facts.get("strategy_settings") or {})
+    syncbn = bool(settings.pop("sync_bn", facts.get("sync_bn")))
+    shown = [f"{key}={setting_text(value)}" for key, value in sorted(settings.items())]
+    return " ".join([str(facts.get("strategy", "?")) + (" +syncbn" if syncbn else ""), *shown])
+
+
+def setting_text(value: Any) -> str:
+    """A setting's value as it is written on the command line: true/false, null."""
+    return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
+
+
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite int or float (not a bool); else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
