@@ -90,11 +90,36 @@ def test_a_smoke_run_records_every_op_at_doubling_sizes_with_nccl_tests_bandwidt
     assert (run / "config.yaml").exists() and (run / "logs" / "rank1.log").exists()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 64])
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 64])
 def test_bus_factors_are_nccl_tests_formulas(world: int):
     for op, formula in FACTORS.items():
         assert bus_factor(op, world) == pytest.approx(formula(world), rel=1e-15), (op, world)
+        assert bus_factor(str(op), world) == bus_factor(Op(op), world)  # a name or the enum alike
     assert bus_factor(Op.all_reduce, 4) == 1.5 and bus_factor(Op.all_gather, 4) == 0.75  # by hand
+
+
+def test_on_one_rank_no_byte_crosses_a_link_but_a_sendrecv_still_sends_one_message():
+    """The edge cases of the one bus_factor (the benchmark's and the cost model's): at W=1 every
+    collective's factor is 0, broadcast's too (nccl-tests keeps 1 there, but the benchmark refuses one
+    rank, and a cost model must not charge a one-rank broadcast); sendrecv is 1 at any W; a world
+    below 1 or an unknown op is an error, not a number."""
+    for op in Op:
+        assert bus_factor(op, 1) == (1.0 if op == Op.sendrecv else 0.0), op
+    for world in (0, -2):
+        with pytest.raises(ValueError, match="world size"):
+            bus_factor(Op.all_reduce, world)
+    with pytest.raises(ValueError):
+        bus_factor("all_reduce_coalesced", 4)
+
+
+def test_the_cost_models_collectives_are_the_benchmarks_ops():
+    """One vocabulary: what strategies describe their communication with is commbench's Op."""
+    from ddpexp.strategies.comm import COLLECTIVE_OPS, Collective
+
+    assert tuple(op.value for op in Op) == COLLECTIVE_OPS and list(FACTORS) == list(COLLECTIVE_OPS)
+    assert all(type(op) is str for op in COLLECTIVE_OPS)
+    with pytest.raises(ValueError, match="unknown collective"):
+        Collective("x", "gather", 1.0, 2)
 
 
 def test_sizes_round_to_whole_parts_per_rank_and_are_measured_once():

@@ -4,8 +4,10 @@ composition, pre-flight and launcher (any backend, init method, self-launched or
 
 This module holds the pure part, importable without torch (a cost model uses it on recorded results):
 
-    Op                     the operations measured, with nccl-tests' conventions
-    bus_factor(op, world)  busbw = algbw x this factor
+    Op                     the collective operations, with nccl-tests' conventions: the one vocabulary
+                           of ddpexp (strategies.comm.COLLECTIVE_OPS, which strategies describe what they
+                           send with for the cost model, is this enum's values)
+    bus_factor(op, world)  busbw = algbw x this factor; the cost model's bytes per link (ddpexp.predict)
     fit_alpha_beta(...)    time ~ alpha + bytes x beta, fitted on relative error
     sizes(...)             the message sizes an op is measured at
 
@@ -25,6 +27,10 @@ ring algorithm to take that time, so one number compares across operations and w
     all_to_all      (W - 1) / W     each rank keeps one part of W
     broadcast       1               every byte reaches every rank once (a pipelined ring)
     sendrecv        1               point to point: the link carries the buffer once
+
+On one rank (W = 1) nothing crosses a link, so every collective's factor is 0 (where nccl-tests keeps
+broadcast's 1; the benchmark itself never runs on fewer than 2 ranks, so only the cost model meets it);
+sendrecv stays 1 at any W: it is one message over one link, whatever the ring's size.
 """
 
 from __future__ import annotations
@@ -52,15 +58,21 @@ SPLIT_OPS = frozenset({Op.all_gather, Op.reduce_scatter, Op.all_to_all})
 
 
 def bus_factor(op: Op | str, world: int) -> float:
-    """busbw / algbw for `op` on `world` ranks (nccl-tests' factors, see the module docstring)."""
+    """busbw / algbw for `op` on `world` ranks: the bytes that cross each rank's link per byte of the
+    operation's size (nccl-tests' factors; 0 on one rank but for sendrecv: see the module docstring).
+    ValueError for an op that is not an `Op` or a world below 1."""
     op = Op(op)
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
+    if op == Op.sendrecv:
+        return 1.0
+    if world == 1:
+        return 0.0  # one rank: nothing crosses a link
     if op == Op.all_reduce:
         return 2 * (world - 1) / world
     if op in SPLIT_OPS:
         return (world - 1) / world
-    return 1.0
+    return 1.0  # broadcast
 
 
 def sizes(op: Op | str, *, min_bytes: int, max_bytes: int, world: int, itemsize: int) -> list[int]:

@@ -21,7 +21,7 @@ run untimed. DDP's hook itself, being Python, still runs on every step: on a CPU
 meter's cost (scripts/comm_meter_cost.py measures it).
 
 `Collective` and `Workload` (at the end) are what strategies describe their communication with for the
-cost model (`Strategy.communication`, ddpexp/predict.py): `Collective.counted` is what this module's
+cost model (`Strategy.communication`, ddpexp.predict): `Collective.counted` is what this module's
 meters count for it, so a prediction compares one for one with a measurement.
 """
 
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..commbench import Op
 
 # What the bytes were: gradients (DDP buckets, reduce-scatters, pushes to a server), parameters
 # (all-gathers, pulls from a server, ZeRO's broadcasts of the updated shards), synchronized BatchNorm's
@@ -200,12 +202,13 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_
 
 
 # ----------------------------------------------------------------------------------------- cost model
-# What a strategy sends per optimizer step, described for the cost model (ddpexp/predict.py, which turns
+# What a strategy sends per optimizer step, described for the cost model (ddpexp.predict, which turns
 # it into time with an interconnect's latency and bandwidth). Each strategy module says what it sends in
 # its `communication` method, next to the code that sends it.
 
-# The operations, named and sized as ddpexp.commbench (and nccl-tests) name and size them.
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "sendrecv")
+# The operations, named and sized as ddpexp.commbench (and nccl-tests) name and size them: its `Op` is
+# the one definition (ddpexp.commbench's __init__ is pure Python: no torch, nothing of ddpexp).
+COLLECTIVE_OPS: tuple[str, ...] = tuple(op.value for op in Op)
 
 
 class Overlap(StrEnum):
