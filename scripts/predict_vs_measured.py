@@ -27,7 +27,7 @@ from pathlib import Path
 
 import ddpexp
 from ddpexp.predict import MeasuredRun, Predictor
-from ddpexp.predict import fabric as make_fabric
+from ddpexp.predict.interconnect import fabric as make_fabric
 
 HERE = Path(__file__).resolve().parent.parent
 

@@ -14,9 +14,12 @@ import torch
 from omegaconf import OmegaConf
 
 from ddpexp import predict, strategies
+from ddpexp.commbench import bus_factor
 from ddpexp.models.convnet import convnet
-from ddpexp.predict import Link, Predictor, bus_factor, collective_time, hops
-from ddpexp.strategies.comm import Collective, Overlap, Workload
+from ddpexp.predict import Predictor, interconnect
+from ddpexp.predict.interconnect import Link, collective_time, hops
+from ddpexp.predict.model import hidden_s
+from ddpexp.strategies.comm import COLLECTIVE_OPS, Collective, Overlap, Workload
 
 strategies.load_builtins()
 
@@ -227,7 +230,7 @@ def test_a_commbench_fit_comes_back_at_its_own_size(tmp_path: Path):
     }
     path = tmp_path / "commbench.json"
     path.write_text(json.dumps({"facts": facts, "results": [], "fits": fits}))
-    fabric = predict.fabric(commbench=path)
+    fabric = interconnect.fabric(commbench=path)
     for op, fit in fits.items():
         for size in (4.0, 1e6):
             c = Collective("x", op, size, 4)
@@ -236,12 +239,18 @@ def test_a_commbench_fit_comes_back_at_its_own_size(tmp_path: Path):
         fabric.time_s(Collective("x", "all_reduce", 1.0, 8, inter_node=True))
 
 
-def test_bus_factors_are_commbenchs():
-    commbench = pytest.importorskip("ddpexp.commbench")
-    for op in predict.COLLECTIVE_OPS:
-        for w in (2, 3, 8):
-            assert bus_factor(op, w) == pytest.approx(commbench.bus_factor(op, w)), op
+def test_one_rank_costs_nothing_but_a_sendrecv_costs_one_hop():
+    """The cost model's formulas on one rank: no latency term and no byte crosses a link for a
+    collective (bus_factor is commbench's, tests/test_commbench.py checks its values); a sendrecv is
+    one message over one link at any W."""
+    link = Link(1e-5, 1e-9)
+    for op in COLLECTIVE_OPS:
+        one = collective_time(Collective("x", op, 1e6, 1), link)
+        assert one == (pytest.approx(1e-5 + 1e-3) if op == "sendrecv" else 0.0), op
     assert hops("all_reduce", 4) == 6 and hops("all_gather", 4) == 3 and hops("sendrecv", 4) == 1
+    assert collective_time(Collective("x", "all_reduce", 1e6, 4), link) == pytest.approx(
+        6 * 1e-5 + bus_factor("all_reduce", 4) * 1e-3
+    )
 
 
 def test_cpu_processes_share_the_hosts_cores(tmp_path: Path):
@@ -257,10 +266,10 @@ def test_overlap_hides_all_but_the_last_bucket_on_accelerators():
     up to the backward pass's time."""
     c1 = Collective("g", "all_reduce", 1.0, 2, calls=1, overlaps=Overlap.backward)
     c4 = Collective("g", "all_reduce", 1.0, 2, calls=4, overlaps=Overlap.backward)
-    assert predict.hidden_s([(c1, 0.006)], 0.030, 1.0) == 0
-    assert predict.hidden_s([(c4, 0.006)], 0.030, 1.0) == pytest.approx(0.0045)
-    assert predict.hidden_s([(c4, 0.006)], 0.003, 1.0) == pytest.approx(0.002)  # 2/3 of the compute
-    assert predict.hidden_s([(c4, 0.006)], 0.030, 0.0) == 0  # a CPU host with every core busy
+    assert hidden_s([(c1, 0.006)], 0.030, 1.0) == 0
+    assert hidden_s([(c4, 0.006)], 0.030, 1.0) == pytest.approx(0.0045)
+    assert hidden_s([(c4, 0.006)], 0.003, 1.0) == pytest.approx(0.002)  # 2/3 of the compute
+    assert hidden_s([(c4, 0.006)], 0.030, 0.0) == 0  # a CPU host with every core busy
 
 
 # ------------------------------------------------------------------------------------------ (2) bounds

@@ -1,0 +1,91 @@
+"""`ddpexp-predict` (`python -m ddpexp.predict`): the command line of the cost model (the package's
+docstring says what it predicts and how)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import UserError
+from .model import Predictor
+from .render import render
+
+
+def _sizes(text: str, what: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise UserError(
+            f"{text!r} is not a list of positive counts", setting=what, fix=f"e.g. {what} 1,2,4,8"
+        )
+    return sizes
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddpexp-predict",
+        description="Predict a run's step time and scaling efficiency on W devices over N nodes.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (it holds metrics.json)")
+    p.add_argument("--devices", default="1,2,4,8", help="device counts W, comma-separated (default 1,2,4,8)")
+    p.add_argument("--nodes", default="1", help="node counts N, comma-separated (default 1)")
+    p.add_argument(
+        "--interconnect",
+        help="profile(s) from conf/interconnect (nvlink4, or nvlink4,ib400: intra- then inter-node), "
+        "or a YAML file",
+    )
+    p.add_argument("--commbench", type=Path, help="a commbench.json whose fitted alpha/beta to use")
+    p.add_argument("--strategy", help="predict this strategy (a conf/strategy option) instead of the run's")
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the predicted strategy (repeatable), e.g. --set comm_hook=bf16",
+    )
+    p.add_argument(
+        "--overlap-efficiency", type=float, help="share of the hideable communication that hides (0-1)"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.overlap_efficiency is not None and not 0 <= args.overlap_efficiency <= 1:
+            raise UserError(
+                f"{args.overlap_efficiency} is not a share", setting="--overlap-efficiency", fix="give 0..1"
+            )
+        devices, nodes = _sizes(args.devices, "--devices"), _sizes(args.nodes, "--nodes")
+        predictor = Predictor.build(
+            args.run_dir,
+            interconnect=args.interconnect,
+            commbench=args.commbench,
+            strategy=args.strategy,
+            settings=args.settings,
+            overlap=args.overlap_efficiency,
+        )
+        points = predictor.points(devices, nodes)
+        if not points:
+            raise UserError(
+                "no device count is a multiple of a node count",
+                setting="--devices",
+                fix="e.g. --devices 2,4 --nodes 1,2",
+            )
+    except UserError as exc:
+        print(f"ddpexp-predict: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    wider = [p for p in points if p.devices > 1]
+    if args.strategy is None and wider and all(p.note is not None for p in wider):
+        # The usual baseline is a one-device run; the strategy to spread it is this command's flag.
+        print(
+            f"ddpexp-predict: {predictor.strategy.name} runs on one device: add --strategy ddp (or fsdp, "
+            "zero, naive_allreduce, ...; python -m ddpexp --help lists them) to predict it on more"
+        )
+    print(render(predictor, points))
+    return 0

@@ -1,0 +1,217 @@
+"""What communication costs: a link's latency and seconds per byte (`Link`), the ring formulas that turn
+a `Collective` into time on it, and the links a prediction uses (`Fabric`), from interconnect profiles
+(conf/interconnect/*.yaml) and/or a commbench.json's fits. Bus factors are ddpexp.commbench's."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..commbench import bus_factor
+from ..errors import UserError
+from ..strategies.comm import COLLECTIVE_OPS, Collective
+
+PROFILE_SCOPES = ("intra", "inter", "both")
+
+# ------------------------------------------------------------------------------------------ formulas
+
+
+def hops(op: str, ranks: int) -> int:
+    """Latency terms one call of `op` pays on a ring of `ranks` ranks: a ring all-reduce is a
+    reduce-scatter then an all-gather, W-1 steps each; a pipelined (ring) broadcast reaches the last
+    rank after W-1 hops; a point-to-point message is one hop."""
+    if op == "sendrecv":
+        return 1
+    if ranks < 2:
+        return 0
+    return 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link: latency per hop (seconds) and seconds per byte."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    @classmethod
+    def of(cls, *, bandwidth_GBps: float, latency_us: float, efficiency: float = 1.0) -> Link:
+        return cls(latency_us * 1e-6, 1.0 / (bandwidth_GBps * 1e9 * efficiency))
+
+    def describe(self) -> str:
+        bandwidth = f"{1e-9 / self.beta_s_per_byte:,.3g}" if self.beta_s_per_byte else "unbounded"
+        return f"{bandwidth} GB/s, {self.alpha_s * 1e6:,.3g} us"
+
+
+def collective_time(c: Collective, link: Link) -> float:
+    """calls x hops(W) x alpha + bus_factor(W) x bytes x beta: a ring over `c.ranks` ranks whose every
+    link is as slow as `link` (the slowest one bounds a ring)."""
+    return (
+        c.calls * hops(c.op, c.ranks) * link.alpha_s
+        + bus_factor(c.op, c.ranks) * c.bytes * link.beta_s_per_byte
+    )
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The links a prediction uses: per operation, within a node and between nodes (None: not given)."""
+
+    name: str
+    intra: dict[str, Link]
+    inter: dict[str, Link] | None
+    notes: tuple[str, ...] = ()
+
+    def time_s(self, c: Collective) -> float:
+        links = self.inter if c.inter_node else self.intra
+        if links is None:
+            raise UserError(
+                f"{self.name} describes no link between nodes",
+                setting="--interconnect",
+                fix="add an inter-node profile, e.g. --interconnect nvlink4,ib400 (or a commbench "
+                "measured over several nodes)",
+            )
+        return collective_time(c, links.get(c.op) or links["all_reduce"])
+
+
+# ------------------------------------------------------------------------------------------ fabrics
+
+
+def profile_dir() -> Path:
+    return Path(str(importlib.resources.files("ddpexp.conf"))) / "interconnect"
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in profile_dir().glob("*.yaml"))
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    scope: str  # intra | inter | both
+    link: Link
+    about: str  # the file's first comment line
+    efficiency: float
+
+
+def load_profile(name: str) -> Profile:
+    """conf/interconnect/NAME.yaml, or a YAML file of yours given by its path."""
+    import yaml
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else profile_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"unknown interconnect {name!r}",
+            setting="--interconnect",
+            fix=f"choose one of: {', '.join(profile_names())} (conf/interconnect/), or a YAML file's path",
+        )
+    text = path.read_text()
+    spec = yaml.safe_load(text) or {}
+    try:
+        scope = str(spec.get("scope", "both"))
+        efficiency = float(spec.get("efficiency", 1.0))
+        link = Link.of(
+            bandwidth_GBps=float(spec["bandwidth_GBps"]),
+            latency_us=float(spec["latency_us"]),
+            efficiency=efficiency,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(
+            f"{path} lacks a number for {exc}",
+            setting="--interconnect",
+            fix="give bandwidth_GBps, latency_us (efficiency, scope) as conf/interconnect/nvlink4.yaml does",
+        ) from exc
+    if scope not in PROFILE_SCOPES or not 0 < efficiency <= 1:
+        raise UserError(
+            f"{path}: scope {scope!r}, efficiency {efficiency}",
+            setting="--interconnect",
+            fix=f"scope is one of {', '.join(PROFILE_SCOPES)}; efficiency in (0, 1]",
+        )
+    first = text.splitlines()[0] if text else ""
+    return Profile(path.stem, scope, link, first.lstrip("# ").strip(), efficiency)
+
+
+def commbench_links(path: Path) -> tuple[dict[str, Link], dict[str, Any]]:
+    """Per-operation links from a commbench.json: its fits (time = alpha + bytes x beta, measured on
+    its world size Wb) divided back into one link's: alpha / hops(op, Wb), beta / bus_factor(op, Wb),
+    so that the same ring formulas carry them to any W."""
+    try:
+        data = json.loads(path.read_text())
+        facts, fits = data["facts"], data["fits"]
+        world = int(facts["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"cannot read {path} as a commbench result ({type(exc).__name__}: {exc})",
+            setting="--commbench",
+            fix="give the commbench.json that python -m ddpexp.commbench wrote (facts, results, fits)",
+        ) from exc
+    if world < 2:
+        raise UserError(
+            f"{path} was measured on {world} rank: no link to fit",
+            setting="--commbench",
+            fix="run the benchmark on 2 or more ranks",
+        )
+    links = {}
+    for op, fit in fits.items():
+        if op in COLLECTIVE_OPS and hops(op, world) and bus_factor(op, world):
+            links[op] = Link(
+                float(fit["alpha_s"]) / hops(op, world), float(fit["beta_s_per_byte"]) / bus_factor(op, world)
+            )
+    if "all_reduce" not in links:
+        raise UserError(
+            f"{path} has no all_reduce fit",
+            setting="--commbench",
+            fix="run the benchmark with all_reduce among its operations",
+        )
+    return links, facts
+
+
+def fabric(interconnect: str | None = None, commbench: Path | str | None = None) -> Fabric:
+    """The links from profiles (`nvlink4`, or `nvlink4,ib400`: the first that covers each scope) and/or
+    a commbench.json (its links are intra-node if it ran on one node, else inter-node; profiles fill the
+    other scope)."""
+    if not interconnect and commbench is None:
+        raise UserError(
+            "no interconnect given",
+            setting="--interconnect",
+            fix=f"add --interconnect NAME ({', '.join(profile_names())}) or --commbench commbench.json",
+        )
+    intra: dict[str, Link] | None = None
+    inter: dict[str, Link] | None = None
+    notes, names = [], []
+    if commbench is not None:
+        links, facts = commbench_links(Path(commbench))
+        nodes = int(facts.get("nnodes", 1) or 1)
+        where = "inter" if nodes > 1 else "intra"
+        notes.append(
+            f"{where}-node links from {commbench} ({facts.get('backend')}, {facts.get('world_size')} ranks "
+            f"on {nodes} node(s), host {facts.get('host')}): per op, the fit divided by its hops and bus "
+            f"factor at that size; all_reduce: {links['all_reduce'].describe()} per link"
+        )
+        intra, inter = (links, None) if nodes == 1 else (None, links)
+        names.append(f"commbench {Path(commbench).name}")
+    only_inter: list[dict[str, Link]] = []
+    for name in [n.strip() for n in (interconnect or "").split(",") if n.strip()]:
+        profile = load_profile(name)
+        same = dict.fromkeys(COLLECTIVE_OPS, profile.link)
+        used: list[str] = []
+        if intra is None and profile.scope in ("intra", "both"):
+            intra, used = same, [*used, "intra"]
+        if inter is None and profile.scope in ("inter", "both"):
+            inter, used = same, [*used, "inter"]
+        if profile.scope == "inter":
+            only_inter.append(same)
+        notes.append(
+            f"{'/'.join(used) or 'unused'}-node link: {profile.name} ({profile.about.rstrip('.')}): "
+            f"{profile.link.describe()} per link (peak x efficiency {profile.efficiency:g})"
+        )
+        names.append(profile.name)
+    if intra is None:
+        if not only_inter and inter is None:
+            raise UserError("no intra-node link", setting="--interconnect", fix="name an intra-node profile")
+        intra = only_inter[0] if only_inter else inter
+        notes.append("no intra-node profile given: links inside a node taken as the network's")
+    assert intra is not None
+    return Fabric("+".join(names), intra, inter, tuple(notes))
