@@ -3,7 +3,7 @@
 At the start of a run: the experiment (which settings and metrics there are, and which to show: the
 ones its sweep varies, plus strategy, world size and sync_bn, marked `differs`, which TensorBoard
 puts first and ticks) and the session's settings, so running and failed runs appear at once. At the
-end: the session's status and its metrics, with the report's definitions (ddpexp/report.py):
+end: the session's status and its metrics, with the report's definitions (ddpexp/report/):
 
   hparams/final_<metric>, hparams/best_<metric>   the best metric (eval/acc unless the task says)
   hparams/time_to_target_s   seconds from the job's start until eval/acc first reached TARGET
@@ -20,7 +20,7 @@ from typing import Any
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 
-from .recorder import steady
+from .runrecord import steady, strategy_label
 
 TARGET = 0.95  # the report's default --target
 ALWAYS_SHOWN = ("strategy", "world_size", "sync_bn")
@@ -45,8 +45,6 @@ STATUS = {
 
 def settings(facts: dict[str, Any]) -> tuple[dict[str, str | bool | float], set[str]]:
     """The run's hparams and the names to show: what its sweep varies, plus ALWAYS_SHOWN."""
-    from .report import strategy_label
-
     values: dict[str, Any] = {"strategy": strategy_label(facts)}
     values |= {key: facts.get(key) for key in (*ALWAYS_SHOWN[1:], *CONTEXT)}
     varies = dict(facts.get("sweep_varies") or {})

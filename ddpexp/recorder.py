@@ -43,11 +43,11 @@ from typing import Any, TypeVar
 
 from . import host
 from .fsutil import atomic_write_bytes, atomic_write_text
+from .runrecord import METRICS_FILE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-METRICS_FILE = "metrics.json"
 WRITE_EVERY_S = 10.0
 MODEL_FILE = "model.pt"
 TAGS = (
@@ -82,13 +82,6 @@ class Best:
             if self.improves(record.get(self.metric), best.get(self.metric)):
                 best = record
         return best
-
-
-def steady(per_epoch: list[float]) -> list[float]:
-    """Per-epoch values without the first when there are several: the first epoch includes warm-up
-    (compilation, caches, rendezvous skew). The one definition the report's samples/s, the HParams
-    view's and the cost model's per-step numbers share."""
-    return per_epoch[1:] if len(per_epoch) > 1 else per_epoch
 
 
 def new_metrics(facts: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ddpexp
 from ddpexp import fsutil, report
 from ddpexp.composition import expand
+from ddpexp.report.prediction import prediction
+from ddpexp.report.table import COLUMNS
+from ddpexp.report.table import table as report_table
+from ddpexp.runrecord import strategy_label
 
 from .conftest import PARITY, QUICK, REPO, metrics, run_here
 
@@ -111,7 +115,7 @@ def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: P
     for png in ("acc_vs_time.png", "loss_vs_step.png", "throughput.png", "scaling.png"):
         assert (preset_sweep / png).stat().st_size > 5000
     (group,) = report.group_runs(report.find_runs([preset_sweep]))  # one model, data and global batch
-    table = {cells[0]: dict(zip(report.COLUMNS, cells, strict=True)) for cells in report.table(group, 0.5)}
+    table = {cells[0]: dict(zip(COLUMNS, cells, strict=True)) for cells in report_table(group, 0.5)}
     assert table["strategy=single"]["vs baseline"] == "baseline"  # single, even where dp is faster
     for job in JOBS:
         m = metrics(preset_sweep / job)
@@ -126,7 +130,7 @@ def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: P
             assert row["comm share"] == f"{100 * sum(shares) / len(shares):.2f}%"
             assert 0 < shares[-1] < 1 and m["final"]["comm/bytes_per_step"] > 0
     # --predict: the cost model's curves from the group's single run, for each other strategy.
-    curves = report.prediction("localhost_gloo")(group)
+    curves = prediction("localhost_gloo")(group)
     assert {"ddp", "ddp +syncbn"} <= curves.keys(), curves
     assert [d for d, _ in curves["ddp"]] == [1, 2, 3, 4]
     assert all(0 < efficiency <= 1 for _, efficiency in curves["ddp"])
@@ -269,7 +273,7 @@ def test_sharding_preset_runs_each_variant_on_the_same_resnet_and_batch_and_labe
         assert cfg.model._target_ == "ddpexp.models.resnet.resnet18" and not cfg.model.cifar_stem
         assert (cfg.data._target_, list(cfg.data.shape)) == ("ddpexp.data.synthetic.synthetic", [3, 32, 32])
         assert (cfg.trainer.batch_size, cfg.trainer.batch_per_rank, cfg.trainer.accumulate) == (64, None, 1)
-        labels.add(report.strategy_label({"strategy": strategy, "strategy_settings": settings}))
+        labels.add(strategy_label({"strategy": strategy, "strategy_settings": settings}))
     assert labels == {
         "ddp",
         "zero",
@@ -313,7 +317,7 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
         assert cfg.data._target_ == "ddpexp.data.digits.digits"
         plan = check_job(cfg, host, multirun=True)
         assert (plan.world_size, plan.global_batch) == (world, 64)
-        labels.add(report.strategy_label({"strategy": strategy, "strategy_settings": settings}))
+        labels.add(strategy_label({"strategy": strategy, "strategy_settings": settings}))
     assert labels == {
         "ddp",
         "naive_allreduce",

@@ -17,6 +17,9 @@ from typing import Any
 import pytest
 
 from ddpexp import report
+from ddpexp.report import cli as report_cli
+from ddpexp.report import plots as report_plots
+from ddpexp.report.table import COLUMNS
 
 T0 = 1_800_000_000.0  # job start of the first fabricated job (epoch seconds)
 GAP_S = 10.0  # between one job's end and the next one's start
@@ -26,7 +29,7 @@ GAP_S = 10.0  # between one job's end and the next one's start
 def _no_plots(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Drawing four PNGs takes ~1 s a report: only the test about plots draws them."""
     if "plots" not in request.node.name:
-        monkeypatch.setattr(report, "plots", lambda *args, **kwargs: [])
+        monkeypatch.setattr(report_cli, "plots", lambda *args, **kwargs: [])
 
 
 def fabricate(
@@ -122,7 +125,7 @@ def md_tables(text: str) -> dict[str, dict[str, str]]:
     for line in text.splitlines():
         if line.startswith("| ") and not line.startswith("| run |"):
             cells = [c.strip() for c in line.strip("|").split(" | ")]
-            row = dict(zip(report.COLUMNS, cells, strict=True))
+            row = dict(zip(COLUMNS, cells, strict=True))
             rows[row["run"]] = row
     return rows
 
@@ -438,7 +441,7 @@ def test_plots_show_percent_a_target_line_integer_device_ticks_and_predictions(t
     for png in ("acc_vs_time.png", "loss_vs_step.png", "throughput.png", "scaling.png"):
         assert (tmp_path / png).stat().st_size > 5000
     groups = report.group_runs(report.find_runs([tmp_path]))
-    palette = report.colours(groups)
+    palette = report_plots.colours(groups)
     assert palette == {
         "ddp": pytest.approx((0.1216, 0.4667, 0.7059, 1.0), abs=1e-3),
         "single": pytest.approx((1.0, 0.498, 0.0549, 1.0), abs=1e-3),
@@ -446,13 +449,13 @@ def test_plots_show_percent_a_target_line_integer_device_ticks_and_predictions(t
 
     from matplotlib.container import ErrorbarContainer
 
-    (ax,) = report.accuracy_figure(groups, palette=palette, title="t", target=0.95).axes
+    (ax,) = report_plots.accuracy_figure(groups, palette=palette, title="t", target=0.95).axes
     assert ax.get_ylabel() == "eval accuracy (%)"
     target = [line for line in ax.get_lines() if line.get_label() == "target 95%"]
     assert target and list(target[0].get_ydata()) == [95.0, 95.0]
     assert max(max(line.get_ydata()) for line in ax.get_lines()) == pytest.approx(96.0)  # in %, not 0.96
 
-    (ax,) = report.throughput_figure(groups, palette=palette, title="t").axes
+    (ax,) = report_plots.throughput_figure(groups, palette=palette, title="t").axes
     assert {t.get_text() for t in ax.texts} == {"160 (n=3)", "104 (n=3)"}
     spans = {
         tuple(segment[:, 0])
@@ -463,12 +466,12 @@ def test_plots_show_percent_a_target_line_integer_device_ticks_and_predictions(t
     assert spans == {(150, 190), (100, 110)}  # min-max of the repeats
 
     predicted = {"ddp": [(4, 0.7), (1, 1.0), (2, 0.8)]}
-    (ax,) = report.scaling_figure(groups, palette=palette, title="t", predicted=predicted).axes
+    (ax,) = report_plots.scaling_figure(groups, palette=palette, title="t", predicted=predicted).axes
     assert list(ax.get_xticks()) == [1, 2, 4]
     (line,) = [line for line in ax.get_lines() if line.get_label() == "ddp (predicted)"]
     assert line.get_linestyle() == "--" and line.get_color() == palette["ddp"]
     assert list(line.get_xdata()) == [1, 2, 4]
     assert (
-        report.plot_scaling(groups, tmp_path / "predicted.png", predicted=predicted)
+        report_plots.plot_scaling(groups, tmp_path / "predicted.png", predicted=predicted)
         == tmp_path / "predicted.png"
     )

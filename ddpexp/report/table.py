@@ -1,0 +1,165 @@
+"""The report's table: one row of cells per pooled row (COLUMNS), as markdown or for a terminal."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from ..runrecord import finite_number
+from .groups import Group, Row
+from .runs import Run
+
+COLUMNS = (
+    "run",
+    "status",
+    "strategy",
+    "n",
+    "device",
+    "backend",
+    "procs/host",
+    "threads",
+    "replicas",
+    "world",
+    "batch (global/rank)",
+    "final",
+    "best",
+    "time to target (s)",
+    "train time (s)",
+    "job time (s)",
+    "samples/s",
+    "per device",
+    "scaling eff.",
+    "vs baseline",
+    "warnings",
+    "comm share",
+    "comm bytes/step",
+    "bubble: measured/textbook",
+    "staleness: mean/max",
+    "peak mem (MB)",
+    "per rank MB: params/grads/optim",
+)
+
+
+def table(group: Group, target: float) -> list[list[str]]:
+    """One list of cells (in COLUMNS' order) per row of the group."""
+    return [_cells(row, target) for row in group.rows]
+
+
+def _cells(row: Row, target: float) -> list[str]:
+    f = row.facts
+
+    def final(key: str) -> float | None:
+        return row.median(lambda r: finite_number(r.final.get(key)))
+
+    return [
+        row.name,
+        row.status,
+        row.label,
+        str(row.n),
+        str(f.get("device_type") or "-"),
+        str(f.get("backend") or "-"),
+        str(f.get("nprocs_per_node") or "-"),
+        str(f.get("threads") or "-"),
+        str(f.get("replicas") or "-"),
+        str(f.get("world_size", "?")),
+        f"{f.get('global_batch_size', '?')}/{f.get('per_rank_batch_size', '?')}",
+        _accuracy(row, lambda r: r.final),
+        _accuracy(row, lambda r: r.best),
+        _time_to_target(row, target),
+        _median_range(row, lambda r: r.wall_s, "{:.1f}"),
+        _median_range(row, Run.job_time, "{:.1f}"),
+        _median_range(row, Run.throughput, "{:,.0f}"),
+        format_cell(row.per_device(), "{:,.0f}"),
+        format_cell(row.efficiency, "{:.2f}"),
+        row.versus,
+        " ".join(f"[{flag.number}]" for flag in row.warnings) or "-",
+        _pct(row.median(lambda r: r.mean("comm/share"))),
+        format_cell(final("comm/bytes_per_step"), "{:,.0f}"),
+        _pair(final("pipe/bubble_frac"), final("pipe/bubble_frac_textbook"), "{:.2f}"),
+        _pair(final("ps/staleness_mean"), final("ps/staleness_max"), "{:.2f}", "{:.0f}"),
+        format_cell(row.median(lambda r: r.peak("mem/peak_mb")), "{:,.0f}"),
+        _resident([final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")]),
+    ]
+
+
+def _accuracy(row: Row, which: Callable[[Run], dict[str, Any]]) -> str:
+    """One run: its value; several: mean ± sample standard deviation."""
+    values = row.per_run(lambda r: finite_number(which(r).get(row.metric)))
+    if not values:
+        return "-"
+    shown = _metric(row.metric, statistics.fmean(values))
+    if len(values) < 2:
+        return shown
+    std = statistics.stdev(values)
+    return f"{shown} ± {100 * std:.2f}" if is_accuracy(row.metric) else f"{shown} ± {std:.2g}"
+
+
+def _time_to_target(row: Row, target: float) -> str:
+    shown = _median_range(row, lambda r: r.time_to(target), "{:.1f}")
+    reached = len(row.per_run(lambda r: r.time_to(target)))
+    return shown if reached in (0, row.n) else f"{shown}, {reached} of {row.n}"
+
+
+def _median_range(row: Row, value: Callable[[Run], float | None], fmt: str) -> str:
+    values = row.per_run(value)
+    if not values:
+        return "-"
+    shown = fmt.format(statistics.median(values))
+    return shown if len(values) < 2 else f"{shown} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def _resident(values: list[float | None]) -> str:
+    """Bytes per rank by category (max over ranks), counted from the tensors (ddpexp/memory.py)."""
+    if any(v is None for v in values):
+        return "-"
+    return "/".join(f"{v:.2f}" for v in values if v is not None)
+
+
+def _pair(first: float | None, second: float | None, fmt: str, second_fmt: str | None = None) -> str:
+    """Two of a strategy's own last-epoch scalars as first/second; "-" for runs that do not log them."""
+    if first is None and second is None:
+        return "-"
+    return f"{format_cell(first, fmt)}/{format_cell(second, second_fmt or fmt)}"
+
+
+def is_accuracy(tag: str) -> bool:
+    return tag == "eval/acc" or tag.startswith("eval/top")
+
+
+def _metric(tag: str, v: float | None) -> str:
+    """Accuracies in %, anything else (eval/mse...) with its name."""
+    if is_accuracy(tag):
+        return _pct(v)
+    return "-" if v is None else f"{tag.removeprefix('eval/')} {v:.4g}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def format_cell(v: float | None, fmt: str) -> str:
+    """A number as a table cell: formatted with `fmt`, or "-" when there is none (None or NaN).
+    (Reading a record's value as a number, or None, is ddpexp.runrecord.finite_number.)"""
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def markdown(cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def plain(cells: list[list[str]]) -> str:
+    """The table for a terminal: columns that are "-" in every row left out."""
+    keep = [i for i in range(len(COLUMNS)) if i == 0 or any(row[i] != "-" for row in cells)]
+    widths = {i: max(len(COLUMNS[i]), *(len(row[i]) for row in cells)) for i in keep}
+    lines = ["  ".join(COLUMNS[i].ljust(widths[i]) for i in keep).rstrip()]
+    lines += ["  ".join(row[i].ljust(widths[i]) for i in keep).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def heading(group: Group) -> str:
+    base = f"baseline: {group.baseline.name}" if group.baseline else "no baseline"
+    return f"{group.title} — {group.context or 'hardware unknown'}; {base}"
