@@ -44,6 +44,7 @@ def run_facts(
         "devices": p.devices,
         "sync_bn": bool(cfg.strategy.get("sync_bn", False)),
         "strategy_settings": strategy_settings(cfg.strategy),  # what the report labels variants by
+        "strategy_columns": [c.to_dict() for c in strategies.get(p.strategy).report_columns],
         "global_batch_size": p.global_batch,
         "per_rank_batch_size": p.per_rank_batch * cfg.trainer.accumulate,
         "micro_batch_size": p.per_rank_batch,

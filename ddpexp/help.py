@@ -24,8 +24,8 @@ Config groups (pick one option each, e.g. strategy=ddp):
 
 Frequent settings (full list: python -m ddpexp --cfg job):
   trainer.epochs=10  trainer.batch_size=64 (GLOBAL batch, split over ranks)  trainer.max_steps=...
-  strategy.sync_bn=true (ddp, ddp_mp, naive_allreduce)  strategy.stages=2 (ddp_mp)
-  strategy.device_ids=[0,1] (dp)
+  strategy.KEY=VALUE: a strategy's own settings (python -m ddpexp --cfg job strategy=NAME lists them;
+    a key the chosen strategy lacks is refused, naming the strategies that have it)
   backend=auto|nccl|gloo|mpi  init=env|tcp|file  device=auto|cpu|cuda  seed=0
   dist.nprocs=N (processes per node)  dist.master_port=P (default: a free port)  dist.timeout_s=600
   dist.max_restarts=N (restart after a failure, resuming from the newest checkpoint)

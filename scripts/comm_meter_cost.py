@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddpexp.config import TrainerConfig
-from ddpexp.strategies.ddp import DDP, DdpConfig
+from ddpexp.strategies.ddp import Ddp, DdpConfig
 
 VARIANTS = ("every", "sampled", "pyhook", "quiet", "hand")
 
@@ -60,12 +60,12 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
         torch.nn.Flatten(), torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128),
         torch.nn.ReLU(), torch.nn.Linear(128, 10),
     )  # fmt: skip
-    ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that DDP.wrap reads of the context
+    ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that Ddp.wrap reads of the context
     sampled_every = TrainerConfig.time_comm_every_steps
     ours = {
-        "every": (DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True), 1),
-        "sampled": (DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True), sampled_every),
-        "quiet": (DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=False), 1),
+        "every": (Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True), 1),
+        "sampled": (Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True), sampled_every),
+        "quiet": (Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=False), 1),
     }
     pyhook = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     pyhook.register_comm_hook(None, default_hooks.allreduce_hook)

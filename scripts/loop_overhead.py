@@ -63,7 +63,7 @@ from ddpexp.data.synthetic import synthetic
 from ddpexp.engine import Engine, LoopSettings
 from ddpexp.recorder import NullRecorder, Recorder
 from ddpexp.strategies import Wrapped
-from ddpexp.strategies.ddp import DDP, DdpConfig
+from ddpexp.strategies.ddp import Ddp, DdpConfig
 
 HIDDEN = {"mlp": None, "mlp64": [64]}
 
@@ -224,14 +224,14 @@ def _ddp_rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
 def _ddp_rounds(rank: int, args: argparse.Namespace, tmp: str) -> None:
     world = args.world
     _, train, evals, base = setup(args, rank=rank, world=world)
-    ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that DDP.wrap reads of the context
+    ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that Ddp.wrap reads of the context
     variants = {  # name: (measure_comm, time_comm_every_steps)
         "ddpexp": (True, TrainerConfig.time_comm_every_steps),
         "ddpexp_every": (True, 1),
         "ddpexp_quiet": (False, 1),
     }
     wrapped = {
-        name: DDP().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=measure)
+        name: Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=measure)
         for name, (measure, _) in variants.items()
     }
     hand = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))

@@ -46,12 +46,12 @@ def test_ddp_s_buffer_broadcast_before_a_step_s_forward_is_metered_as_the_model_
     times them, and the cost model's count for the step is the same."""
     from ddpexp.models.convnet import convnet
     from ddpexp.strategies.comm import Workload, buffer_bytes_of, parameter_bytes
-    from ddpexp.strategies.ddp import DDP, DdpConfig, ddp_communication
+    from ddpexp.strategies.ddp import Ddp, DdpConfig, ddp_communication
 
     torch.manual_seed(0)
     model = convnet(channels=[4, 8], num_classes=10, input_shape=[1, 8, 8])
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))
-    wrapped = DDP().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
+    wrapped = Ddp().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
     assert wrapped.comm is not None and wrapped.no_sync is not None
     x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
     steps = 2
@@ -82,7 +82,7 @@ def test_ddp_times_only_the_sampled_steps_and_counts_every_steps_bytes(every: in
     from ddpexp.engine import Engine, LoopSettings
     from ddpexp.recorder import NullRecorder
     from ddpexp.strategies.comm import parameter_bytes
-    from ddpexp.strategies.ddp import DDP, DdpConfig
+    from ddpexp.strategies.ddp import Ddp, DdpConfig
 
     completions: list[float] = []
     interval = CommMeter.interval
@@ -97,7 +97,7 @@ def test_ddp_times_only_the_sampled_steps_and_counts_every_steps_bytes(every: in
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))
-    wrapped = DDP().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
+    wrapped = Ddp().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
     settings = LoopSettings(
         epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=32,
         time_comm_every_steps=every,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ddpexp import load_model
 from ddpexp.models.mlp import mlp
 from ddpexp.predict import predicted_bytes
-from ddpexp.strategies.fsdp import FSDP, FsdpConfig, shard_units
+from ddpexp.strategies.fsdp import Fsdp, FsdpConfig, shard_units
 
 from .conftest import (
     PARITY,
@@ -165,7 +165,7 @@ def _accumulating_rank(rank: int, tmp: str) -> None:
     for accumulate in (1, 2, 4):
         torch.manual_seed(0)
         model = mlp(num_classes=10, input_shape=[1, 28, 28])  # two shard units: body and head
-        wrapped = FSDP().wrap(model, FsdpConfig(), ctx=ctx, measure_comm=False)
+        wrapped = Fsdp().wrap(model, FsdpConfig(), ctx=ctx, measure_comm=False)
         before = calls[0]
         for micro in range(accumulate):
             last = micro == accumulate - 1

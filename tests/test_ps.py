@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpexp.optim import OptimizerSpec
-from ddpexp.strategies.ps import ASYNC, ParameterServer, PsConfig
+from ddpexp.strategies.ps import ASYNC, Ps, PsConfig
 
 from .conftest import PARITY, RESUME, metrics, run_here, same_weights, scored_by_single, start_ranks
 from .fault_harness import LONG, Watched
@@ -171,7 +171,7 @@ def _async_rank(rank: int, tmp: str) -> None:
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-    strategy = ParameterServer()
+    strategy = Ps()
     cpu = SimpleNamespace(device=torch.device("cpu"))
     wrapped = strategy.wrap(model, PsConfig(mode=ASYNC), ctx=cpu, measure_comm=True)
     optimizer = strategy.build_optimizer(wrapped, OptimizerSpec(torch.optim.SGD, {"lr": 0.1}))

@@ -14,7 +14,7 @@ from ddpexp import models
 from ddpexp.composition import conf_dir
 from ddpexp.errors import UserError
 from ddpexp.plan import HostFacts
-from ddpexp.strategies.ddp_mp import Pipeline, group
+from ddpexp.strategies.ddp_mp import StageChain, group
 from ddpexp.validate import plan
 
 MODELS = sorted(f.stem for f in (Path(conf_dir()) / "model").glob("*.yaml"))
@@ -46,7 +46,7 @@ def test_every_shipped_model_splits_into_stages_that_compose_to_its_forward(name
     model = models.build(cfg.model, info).eval()
     n = len(model.stages())
     for k in range(1, n + 1):
-        pipeline = Pipeline(group(list(model.stages()), k), [torch.device("cpu")] * k)
+        pipeline = StageChain(group(list(model.stages()), k), [torch.device("cpu")] * k)
         torch.testing.assert_close(pipeline(x), model(x), rtol=0, atol=0)
 
 

@@ -209,11 +209,11 @@ def test_resuming_under_powersgd_warns_that_its_state_starts_over(caplog: pytest
     resumes under it says so, for every strategy that takes the hook; without PowerSGD, nothing."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddpexp.strategies.ddp import DDP
+    from ddpexp.strategies.ddp import Ddp
     from ddpexp.strategies.ddp_mp import DdpMp
 
     make = optim.spec(OmegaConf.structured(OptimConfig(name=OptimizerName.sgd, lr=0.1, momentum=0.9)))
-    for strategy in (DDP(), Zero(), DdpMp()):
+    for strategy in (Ddp(), Zero(), DdpMp()):
         for hook in CommHook:
             model = torch.nn.Linear(4, 2)
             ddp = DistributedDataParallel(model)

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 @dataclass
 class TinyConfig(StrategyConfig):
-    name: str = "tiny"
     average: bool = True  # divide the summed gradients by the world size
 
 

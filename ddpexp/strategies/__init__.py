@@ -5,8 +5,10 @@ subclass holding exactly the settings it understands). `@register` next to the c
 available by name and stores C in Hydra's ConfigStore as `<name>_schema`, which the strategy's YAML
 lists in its defaults; a setting another strategy owns then fails at composition, naming the key.
 
-Adding a strategy = one module (the class, its config dataclass, `@register`) + one YAML in
-conf/strategy/ (`defaults: [<name>_schema, _self_]`) + its name in BUILTIN. A strategy of your own
+Adding a strategy = one module named after it (the class with its `name`, its config dataclass,
+`@register`) + one YAML in conf/strategy/ (`defaults: [<name>_schema, _self_]`). The YAML's first
+comment line is its line in `--help`; `report_metrics` lists scalars of its own that the report shows
+as columns. A strategy of your own
 lives anywhere importable: its YAML sets `module: your.module`, which ddpexp imports in the parent
 and in every worker before use (tests/tiny_strategy.py is one).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -47,13 +50,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Strategies shipped with ddpexp: the module ddpexp.strategies.<name> registers each.
-BUILTIN = ("single", "dp", "ddp", "ddp_mp", "naive_allreduce", "fsdp", "zero", "pipeline", "ps")
+
+@dataclass(frozen=True)
+class ReportColumn:
+    """A column of the report for scalars a strategy logs of its own (through `Wrapped.extra_metrics`):
+    its heading and the tags shown in it, last epoch's values joined by "/", each in its format."""
+
+    heading: str
+    tags: tuple[str, ...]
+    formats: tuple[str, ...] = ("{:.2f}",)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"heading": self.heading, "tags": list(self.tags), "formats": list(self.formats)}
+
+
+@dataclass
+class DataParallelConfig(StrategyConfig):
+    """Settings every strategy that keeps a whole model per rank (replicated or sharded) shares."""
+
+    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch).
+    sync_bn: bool = False
+
+
+# Modules of this package that hold no strategy; every other module registers the one it is named after.
+NOT_STRATEGIES = frozenset({"comm", "syncbn"})
 
 C = TypeVar("C", bound=StrategyConfig)
-# What build_optimizer gets: called on parameters it builds the configured optimizer; its `cls` and
-# `kwargs` are there for a strategy that wraps the class (zero: ZeroRedundancyOptimizer).
-MakeOptimizer = OptimizerSpec
 TrainStep = Callable[[Any, torch.Tensor, float], "torch.Tensor | None"]
 
 
@@ -120,6 +142,8 @@ class Strategy(ABC, Generic[C]):
     schema: ClassVar[type[StrategyConfig]]
     # One process per rank with torch.distributed (spawned, or torchrun's); False: one process only.
     uses_process_group: ClassVar[bool] = True
+    # The report's columns for this strategy's own scalars (recorded in each run's facts).
+    report_columns: ClassVar[tuple[ReportColumn, ...]] = ()
 
     def settings(self, section: Any) -> C:
         """The strategy's section of the config as its own dataclass. A key it does not have (forced
@@ -175,7 +199,7 @@ class Strategy(ABC, Generic[C]):
     def wrap(self, model: nn.Module, settings: C, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         """Put the model on this process's device(s) and wrap it for training."""
 
-    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+    def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         return make(wrapped.base.parameters())
 
     # ------------------------------------------------------------------------- checkpoints
@@ -221,19 +245,25 @@ def register(cls: S) -> S:
     from hydra.core.config_store import ConfigStore
 
     _REGISTRY[cls.name] = cls()
-    ConfigStore.instance().store(group="strategy", name=f"{cls.name}_schema", node=cls.schema)
+    # The node carries the strategy's name, so neither the schema nor the YAML has to repeat it.
+    ConfigStore.instance().store(group="strategy", name=f"{cls.name}_schema", node=cls.schema(name=cls.name))
     return cls
 
 
+def builtin_names() -> list[str]:
+    """The strategies shipped with ddpexp: this package's modules, each named after its strategy."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in NOT_STRATEGIES)
+
+
 def load_builtins() -> None:
-    for name in BUILTIN:
+    for name in builtin_names():
         importlib.import_module(f"{__name__}.{name}")
 
 
 def get(name: str, module: str | None = None) -> Strategy[Any]:
     """The registered strategy `name`, importing `module` (or the built-in module) first if needed."""
     if name not in _REGISTRY:
-        target = module or (f"{__name__}.{name}" if name in BUILTIN else None)
+        target = module or (f"{__name__}.{name}" if name in builtin_names() else None)
         if target is not None:
             try:
                 importlib.import_module(target)

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import StrategyConfig
 from ..errors import UserError, require_positive
-from . import Strategy, Wrapped, maybe_sync_bn, register, syncbn
+from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import (
     Collective,
     CommMeter,
@@ -70,10 +69,7 @@ class CommHook(StrEnum):
 
 
 @dataclass
-class DdpConfig(StrategyConfig):
-    name: str = "ddp"
-    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch).
-    sync_bn: bool = False
+class DdpConfig(DataParallelConfig):
     # DDP's gradient bucket size in MB (None: DDP's default, 25).
     bucket_cap_mb: float | None = None
     # DistributedDataParallel settings. gradient_as_bucket_view saves a gradient copy; static_graph
@@ -93,7 +89,7 @@ class DdpConfig(StrategyConfig):
 
 
 @register
-class DDP(Strategy[DdpConfig]):
+class Ddp(Strategy[DdpConfig]):
     name = "ddp"
     schema = DdpConfig
 

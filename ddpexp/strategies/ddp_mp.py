@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 @dataclass
 class DdpMpConfig(DdpConfig):
-    name: str = "ddp_mp"
     # Devices each process owns; the model is split into this many consecutive parts, one per device.
     stages: int = 2
 
@@ -62,7 +61,7 @@ class DdpMp(Strategy[DdpMpConfig]):
         self, model: nn.Module, settings: DdpMpConfig, *, ctx: RunContext, measure_comm: bool
     ) -> Wrapped:
         model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type)
-        pipeline = Pipeline(group(model_stages(model), settings.stages), list(ctx.devices))
+        pipeline = StageChain(group(model_stages(model), settings.stages), list(ctx.devices))
         ddp = DistributedDataParallel(pipeline, **ddp_kwargs(settings))  # multi-device module: no device_ids
         return Wrapped(
             module=ddp,
@@ -106,7 +105,7 @@ def model_stages(model: nn.Module) -> list[nn.Module]:
     return list(stages())
 
 
-class Pipeline(nn.Module):
+class StageChain(nn.Module):
     """Consecutive parts of one model on consecutive devices; the forward pass moves activations along."""
 
     def __init__(self, parts: list[nn.Module], devices: list[torch.device]) -> None:

@@ -27,13 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DpConfig(StrategyConfig):
-    name: str = "dp"
     # The GPUs DataParallel replicates over (None: every visible GPU); the first gathers the outputs.
     device_ids: list[int] | None = None
 
 
 @register
-class DP(Strategy[DpConfig]):
+class Dp(Strategy[DpConfig]):
     name = "dp"
     schema = DpConfig
     uses_process_group = False

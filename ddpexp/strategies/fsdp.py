@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..config import StrategyConfig
 from ..errors import UserError
-from . import Strategy, Wrapped, maybe_sync_bn, register, syncbn
+from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import Collective, CommMeter, Overlap, Workload, record_when_done
 
 if TYPE_CHECKING:
@@ -53,8 +52,7 @@ class MixedPrecision(StrEnum):
 
 
 @dataclass
-class FsdpConfig(StrategyConfig):
-    name: str = "fsdp"
+class FsdpConfig(DataParallelConfig):
     # true: free gathered parameters after each unit's forward (ZeRO-3-like); false: keep them for the
     # backward (ZeRO-2-like).
     reshard_after_forward: bool = True
@@ -62,8 +60,6 @@ class FsdpConfig(StrategyConfig):
     mixed_precision: MixedPrecision | None = None
     # Sharded parameters, gradients and optimizer state in host memory.
     cpu_offload: bool = False
-    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch).
-    sync_bn: bool = False
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -82,7 +78,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 @register
-class FSDP(Strategy[FsdpConfig]):
+class Fsdp(Strategy[FsdpConfig]):
     name = "fsdp"
     schema = FsdpConfig
 

@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..config import StrategyConfig
 from ..errors import require_positive
-from . import Strategy, Wrapped, maybe_sync_bn, register, syncbn
+from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
@@ -46,10 +45,7 @@ class Algorithm(StrEnum):
 
 
 @dataclass
-class NaiveAllreduceConfig(StrategyConfig):
-    name: str = "naive_allreduce"
-    # Convert BatchNorm layers to synchronized BatchNorm (statistics over the global batch).
-    sync_bn: bool = False
+class NaiveAllreduceConfig(DataParallelConfig):
     # None: one reduction per parameter; a size in MB: gradients flattened into buckets of that size.
     bucket_cap_mb: float | None = None
     # How each bucket is summed: collective (dist.all_reduce) | ring (hand-written, send/recv).

@@ -44,7 +44,8 @@ from torch import nn
 
 from ..config import StrategyConfig
 from ..errors import UserError, require_positive
-from . import MakeOptimizer, Strategy, Wrapped, register
+from ..optim import OptimizerSpec
+from . import ReportColumn, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload
 from .ddp_mp import boundary_bytes, group, model_stages
 
@@ -61,7 +62,6 @@ Schedule = StrEnum("Schedule", [("gpipe", "gpipe"), ("1f1b", "1f1b")])
 
 @dataclass
 class PipelineConfig(StrategyConfig):
-    name: str = "pipeline"
     # Processes in one pipeline: the model's stages() are grouped into this many consecutive parts.
     stages: int = 2
     # gpipe: every micro-batch's forward, then every backward | 1f1b: alternate once the pipe is full
@@ -77,6 +77,9 @@ class PipelineConfig(StrategyConfig):
 class Pipeline(Strategy[PipelineConfig]):
     name = "pipeline"
     schema = PipelineConfig
+    report_columns = (
+        ReportColumn("bubble: measured/textbook", ("pipe/bubble_frac", "pipe/bubble_frac_textbook")),
+    )
 
     def default_nprocs(
         self, settings: PipelineConfig, *, device_type: str, host: HostFacts, devices_per_process: int
@@ -161,7 +164,7 @@ class Pipeline(Strategy[PipelineConfig]):
         runner.task_loss = lambda: wrapped.loss  # the engine sets it when it takes the model
         return wrapped
 
-    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+    def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         return make(_runner(wrapped).part.parameters())  # this stage's parameters only
 
     # ------------------------------------------------------------------------- cost model

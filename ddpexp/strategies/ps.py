@@ -84,7 +84,8 @@ from torch import nn
 from .. import distributed
 from ..config import StrategyConfig
 from ..errors import UserError
-from . import MakeOptimizer, Strategy, Wrapped, register
+from ..optim import OptimizerSpec
+from . import ReportColumn, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
@@ -99,16 +100,18 @@ SYNC, ASYNC = PsMode["sync"], PsMode["async"]
 
 @dataclass
 class PsConfig(StrategyConfig):
-    name: str = "ps"
     # sync: the server averages one push from every worker and steps once per global batch (= single);
     # async: the server steps on every push as it arrives and replies at once (parameters may be stale).
     mode: PsMode = SYNC
 
 
 @register
-class ParameterServer(Strategy[PsConfig]):
+class Ps(Strategy[PsConfig]):
     name = "ps"
     schema = PsConfig
+    report_columns = (
+        ReportColumn("staleness: mean/max", ("ps/staleness_mean", "ps/staleness_max"), ("{:.2f}", "{:.0f}")),
+    )
 
     def default_nprocs(
         self, settings: PsConfig, *, device_type: str, host: HostFacts, devices_per_process: int
@@ -167,7 +170,7 @@ class ParameterServer(Strategy[PsConfig]):
             node=node,
         )
 
-    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+    def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         """The server's is the configured optimizer; a worker's a stand-in that holds nothing."""
         node = _node(wrapped)
         if isinstance(node, Server):

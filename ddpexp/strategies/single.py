@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class SingleConfig(StrategyConfig):
-    name: str = "single"
+    """single has no settings of its own."""
 
 
 @register

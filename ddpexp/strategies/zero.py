@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import MakeOptimizer, Wrapped, register
+from ..optim import OptimizerSpec
+from . import Wrapped, register
 from .comm import Collective, Workload, all_parameter_bytes, timed_call
-from .ddp import DDP, DdpConfig, ddp_communication, warn_powersgd_restarts
+from .ddp import Ddp, DdpConfig, ddp_communication, warn_powersgd_restarts
 
 if TYPE_CHECKING:
     import torch
@@ -24,17 +25,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class ZeroConfig(DdpConfig):
-    name: str = "zero"
+    """Every ddp setting applies (the gradients are all-reduced by DDP as usual)."""
 
 
 @register
-class Zero(DDP):
+class Zero(Ddp):
     """ddp's wrapping and settings; the optimizer and its checkpoint state are ZeRO's."""
 
     name = "zero"
     schema = ZeroConfig
 
-    def build_optimizer(self, wrapped: Wrapped, make: MakeOptimizer) -> torch.optim.Optimizer:
+    def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # The class and settings optim.* chose, built on this rank's shard of the parameters only.
