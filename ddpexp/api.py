@@ -12,7 +12,6 @@ before anything starts, and a run that fails returns a Result with status "faile
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from .recorder import METRICS_FILE, MODEL_FILE
+from .recorder import MODEL_FILE
+from .runrecord import read_run_record_or_none
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +42,16 @@ class Result:
 
     @classmethod
     def read(cls, run_dir: Path, exit_code: int) -> Result:
-        try:
-            m = json.loads((run_dir / METRICS_FILE).read_text())
-        except (OSError, ValueError):
-            m = {}
+        record = read_run_record_or_none(run_dir)
+        if record is None:
+            return cls(run_dir=run_dir, status="unknown", exit_code=exit_code)
         return cls(
             run_dir=run_dir,
-            status=m.get("status", "unknown"),
+            status=record.status,
             exit_code=exit_code,
-            final=m.get("final", {}),
-            best=m.get("best", {}),
-            facts=m.get("facts", {}),
+            final=record.final,
+            best=record.best,
+            facts=record.facts,
         )
 
 
@@ -69,29 +68,15 @@ def sweep(overrides: list[str], *, config_dir: str | None = None) -> list[Result
 
 def _run(overrides: list[str], *, multirun: bool, config_dir: str | None) -> list[Result]:
     from .composition import search_path_override
-    from .preflight import preflight
-    from .runner import claim_output, run_jobs
+    from .runner import run_command
 
     started_at = time.time()
-    overrides = overrides + search_path_override(config_dir)
-    checked = preflight(overrides, multirun=multirun)
-    if checked.joining is not None:  # dist.node_rank > 0: this machine joins the run node 0 makes
-        from .launch import nodes
-
-        outcomes = [nodes.follow(*checked.joining)]
-    else:
-        claim = claim_output(checked.output_dir)
-        try:
-            outcomes = run_jobs(
-                checked.overrides,
-                multirun=multirun,
-                started_at=started_at,
-                report=_log_outcome,
-                sweep_dir=checked.output_dir if multirun else None,
-            )
-        finally:
-            if claim is not None:
-                claim.release()
+    outcomes = run_command(
+        overrides + search_path_override(config_dir),
+        multirun=multirun,
+        started_at=started_at,
+        report=_log_outcome,
+    )
     return [Result.read(o.run_dir, o.exit_code) for o in outcomes]
 
 

@@ -63,11 +63,9 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
     _import_torch()
     from .composition import CONFIG_NAME, search_path_override
     from .plan import ExternalWorld
-    from .preflight import preflight
-    from .runner import claim_output, run_jobs
+    from .runner import run_command
 
     world = torchrun.world()
-    name = args.config_name or CONFIG_NAME
     try:
         if args.config_path:
             raise UserError(
@@ -75,10 +73,14 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
                 setting="--config-path",
                 fix="use --config-dir DIR to add yours",
             )
-        overrides = list(args.overrides) + search_path_override(args.config_dir)
-        external = ExternalWorld(*world) if world else None
-        checked = preflight(overrides, multirun=args.multirun, external=external, config_name=name)
-        claim = claim_output(checked.output_dir)
+        outcomes = run_command(
+            list(args.overrides) + search_path_override(args.config_dir),
+            multirun=args.multirun,
+            started_at=started_at,
+            report=_print_outcome,
+            config_name=args.config_name or CONFIG_NAME,
+            external=ExternalWorld(*world) if world else None,
+        )
     except NothingToDo as done:
         print(f"ddpexp: {done}", flush=True)
         sys.exit(0)
@@ -89,35 +91,7 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
             torchrun.publish_error(exc)
         print(f"ddpexp: error: {exc}", file=sys.stderr)
         sys.exit(UserError.exit_code)
-    if checked.joining is not None:  # dist.node_rank > 0: join the run dir node 0 makes; make none here
-        outcomes = [_join(*checked.joining)]
-    else:
-        try:
-            outcomes = run_jobs(
-                checked.overrides,
-                multirun=args.multirun,
-                started_at=started_at,
-                report=_print_outcome,
-                config_name=name,
-                sweep_dir=checked.output_dir if args.multirun else None,
-            )
-        finally:
-            if claim is not None:
-                claim.release()
     sys.exit(next((o.exit_code for o in outcomes if o.exit_code != 0), 0))
-
-
-def _join(cfg: Any, plan: Any) -> Any:
-    """A machine other than node 0 of a multi-node self-launch: its workers join node 0's run."""
-    from .launch import nodes
-
-    try:
-        outcome = nodes.follow(cfg, plan)
-    except UserError as exc:
-        print(f"ddpexp: error: {exc}", file=sys.stderr)
-        sys.exit(UserError.exit_code)
-    _print_outcome(outcome)
-    return outcome
 
 
 def _print_outcome(outcome: Any) -> None:

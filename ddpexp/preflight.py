@@ -18,6 +18,7 @@ from .context import FAULT_ENV
 from .errors import UserError
 from .launch import warmup
 from .plan import ExternalWorld, HostFacts, Plan
+from .runrecord import METRICS_FILE
 from .validate import check_split_sizes, plan
 
 
@@ -150,7 +151,7 @@ def check_output_dir(directory: Path, *, setting: str) -> None:
 
 def check_sweep_dir(sweep_dir: Path, resume: str | None) -> None:
     """A sweep into a directory that already holds a sweep's runs would overwrite them job by job."""
-    if resume != "auto" and next(sweep_dir.glob("*/metrics.json"), None) is not None:
+    if resume != "auto" and next(sweep_dir.glob(f"*/{METRICS_FILE}"), None) is not None:
         raise UserError(
             f"{sweep_dir} already holds a sweep's runs; sweeping into it again would overwrite them",
             setting="hydra.sweep.dir",
@@ -455,7 +456,7 @@ def check_init_file(cfg: DictConfig) -> None:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    if (run_dir / "metrics.json").exists():
+    if (run_dir / METRICS_FILE).exists():
         raise UserError(
             f"{run_dir} already holds a run; starting another there would mix their results",
             setting="hydra.run.dir",

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 from . import host
 from .fsutil import atomic_write_bytes, atomic_write_text
-from .runrecord import METRICS_FILE
+from .runrecord import METRICS_FILE, read_run_record_or_none
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,11 +112,8 @@ def _finite(value: Any, found: set[str], key: str) -> Any:
 def finish_metrics(run_dir: Path, status: str, error: str, *, facts: dict[str, Any]) -> None:
     """Make metrics.json say how the run ended, even if rank 0 could not write it itself (the
     launcher calls this after stopping the workers)."""
-    try:
-        metrics = json.loads((run_dir / METRICS_FILE).read_text())
-    except (OSError, ValueError):
-        metrics = {}
-    metrics = metrics or new_metrics(facts)
+    record = read_run_record_or_none(run_dir)
+    metrics = (record.raw if record is not None else {}) or new_metrics(facts)
     metrics["status"] = status
     metrics["error"] = error
     write_metrics(run_dir, metrics)
@@ -187,16 +184,15 @@ class Recorder(NullRecorder):
 
     def _continue_metrics(self, step: int) -> None:
         """Keep the history of the run being resumed, up to the checkpoint's step."""
-        try:
-            old = json.loads((self.run_dir / METRICS_FILE).read_text())
-        except (OSError, ValueError):
+        old = read_run_record_or_none(self.run_dir)
+        if old is None:
             return
-        history = [h for h in old.get("history", []) if h.get("step", 0) <= step]
+        history = [h for h in old.history if h.get("step", 0) <= step]
         self.metrics["history"] = history
         self.metrics["best"] = self.best.pick(history)
         if history:
             self.metrics["final"] = history[-1]
-        self.metrics["attempts"] = old.get("attempts", 1) + 1
+        self.metrics["attempts"] = old.attempts + 1
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._unwritten.append((step, values))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import signal
@@ -24,7 +23,8 @@ from . import composition, fsutil, host
 from .errors import UserError
 from .job import Outcome
 from .launch import warmup
-from .recorder import METRICS_FILE
+from .plan import ExternalWorld
+from .runrecord import METRICS_FILE, read_run_record_or_none
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +117,12 @@ def remote_outcomes(sweep_dir: Path) -> list[Outcome]:
     (exit 0 only if completed) and error, with where its logs are."""
     outcomes = []
     for path in sorted(sweep_dir.glob(f"*/{METRICS_FILE}")):
-        try:
-            m = json.loads(path.read_text())
-        except (OSError, ValueError):
-            m = {"status": "unreadable metrics.json"}
-        status = m.get("status")
+        record = read_run_record_or_none(path)
+        status = record.status if record is not None else "unreadable metrics.json"
         if status == "completed":
             outcomes.append(Outcome(run_dir=path.parent, exit_code=0))
             continue
-        error = m.get("error") or f"status {status}"
+        error = (record.error if record is not None else None) or f"status {status}"
         logs = f"logs in {path.parent / 'logs'} and {sweep_dir / '.submitit'}"
         outcomes.append(Outcome(run_dir=path.parent, exit_code=1, error=f"{error} ({logs})"))
     return outcomes
@@ -155,7 +152,7 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
     from . import launch
     from .job import Job
     from .launch import torchrun
-    from .plan import ExternalWorld, HostFacts
+    from .plan import HostFacts
     from .preflight import check_job
 
     hc = HydraConfig.get()
@@ -216,10 +213,8 @@ def resume_if_preempted(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _status(run_dir: Path) -> str | None:
-    try:
-        return str(json.loads((run_dir / METRICS_FILE).read_text()).get("status"))
-    except (OSError, ValueError, AttributeError):
-        return None
+    record = read_run_record_or_none(run_dir)
+    return record.status if record is not None else None
 
 
 def _submitit_requeue() -> Callable[[], None] | None:
@@ -232,6 +227,43 @@ def _submitit_requeue() -> Callable[[], None] | None:
     if not callable(handler):
         return None
     return lambda: handler(signum, None)
+
+
+def run_command(
+    overrides: list[str],
+    *,
+    multirun: bool,
+    started_at: float,
+    report: Callable[[Outcome], None],
+    config_name: str = composition.CONFIG_NAME,
+    external: ExternalWorld | None = None,
+) -> list[Outcome]:
+    """What `python -m ddpexp` and `ddpexp.run`/`ddpexp.sweep` do, in this order: pre-flight every job
+    (a UserError, or NothingToDo, before anything starts), then either join the run node 0 makes
+    (dist.node_rank > 0: no directory of this machine's) or claim the run or sweep directory, run the
+    jobs through Hydra and release it. `report` hears of each job as it ends."""
+    from .preflight import preflight
+
+    checked = preflight(overrides, multirun=multirun, external=external, config_name=config_name)
+    if checked.joining is not None:
+        from .launch import nodes
+
+        outcome = nodes.follow(*checked.joining)
+        report(outcome)
+        return [outcome]
+    claim = claim_output(checked.output_dir)
+    try:
+        return run_jobs(
+            checked.overrides,
+            multirun=multirun,
+            started_at=started_at,
+            report=report,
+            config_name=config_name,
+            sweep_dir=checked.output_dir if multirun else None,
+        )
+    finally:
+        if claim is not None:
+            claim.release()
 
 
 def claim_output(directory: Path | None) -> fsutil.Claim | None:
@@ -258,9 +290,8 @@ def claim_output(directory: Path | None) -> fsutil.Claim | None:
 
 def best_value(run_dir: Path) -> float | None:
     """The run's best value of its best metric (what an optimising sweeper maximises or minimises)."""
-    try:
-        metrics = json.loads((run_dir / METRICS_FILE).read_text())
-    except (OSError, ValueError):
+    record = read_run_record_or_none(run_dir)
+    if record is None:
         return None
-    value = metrics.get("best", {}).get(metrics.get("facts", {}).get("best_metric", "eval/acc"))
+    value = record.best.get(record.facts.get("best_metric", "eval/acc"))
     return float(value) if value is not None else None

@@ -115,6 +115,15 @@ def read_run_record(where: Path | str) -> RunRecord | None:
     return RunRecord.from_dict(data, path)
 
 
+def read_run_record_or_none(where: Path | str) -> RunRecord | None:
+    """`read_run_record` for callers that treat a damaged record like a missing one (a status check
+    that must not fail: the run's own error is reported elsewhere)."""
+    try:
+        return read_run_record(where)
+    except RunRecordError:
+        return None
+
+
 def steady(per_epoch: list[float]) -> list[float]:
     """Per-epoch values without the first when there are several: the first epoch includes warm-up
     (compilation, caches, rendezvous skew). The one definition the report's samples/s, the HParams
