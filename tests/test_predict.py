@@ -306,7 +306,7 @@ def test_predictions_are_monotone_and_bounded(tmp_path: Path, name: str, device_
 
 
 def test_every_builtin_strategy_describes_itself_or_refuses_a_size():
-    for name in strategies.BUILTIN:
+    for name in strategies.builtin_names():
         strategy, settings = strategies.resolve({"name": name})
         for world in (1, 2, 3, 4):
             try:
