@@ -123,7 +123,8 @@ def test_a_strategy_added_from_tests_trains_through_the_cli(single_run: ddpexp.R
     """tests/tiny_strategy.py registers `tiny` and tests/conf/strategy/tiny.yaml selects it: the package
     is unchanged. Through the command line it trains on 2 processes (which import the module
     themselves) to single's weights at the same global batch; its own setting reaches it (average=false
-    sums the gradients, and training then differs); a setting it does not have is refused."""
+    sums the gradients, and training then differs); the report shows the column it declares for a
+    scalar of its own; a setting it does not have is refused."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the workers find tests.tiny_strategy as a user's would
     args = ["--config-dir", TEST_CONF, "-m", "strategy=tiny", "strategy.average=true,false", *PARITY]
     result = run_here(tmp_path, *args, "hydra.sweep.dir=s")
@@ -134,6 +135,18 @@ def test_a_strategy_added_from_tests_trains_through_the_cli(single_run: ddpexp.R
     for name, value in _weights(averaged).items():
         torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
     assert not all(torch.allclose(v, reference[k], atol=1e-4) for k, v in _weights(summed).items())
+    norm = metrics(averaged)["final"]["tiny/grad_norm"]
+    report = subprocess.run(
+        [str(Path(sys.executable).parent / "ddpexp-report"), str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    table = (tmp_path / "s" / "report.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| run |")).strip("| ").split(" | ")
+    row = next(line for line in table.splitlines() if line.startswith("| strategy.average=True |"))
+    assert dict(zip(header, row.strip("| ").split(" | "), strict=True))["tiny: grad norm"] == f"{norm:.4f}"
     for extra in ("strategy.stages=2", "+strategy.stages=2"):  # at composition, and after forcing it in
         refused = run_here(tmp_path, "--config-dir", TEST_CONF, "strategy=tiny", extra)
         assert refused.returncode == 2 and "strategy.stages" in refused.stderr, refused

@@ -20,7 +20,6 @@ import ddpexp
 from ddpexp import fsutil, report
 from ddpexp.composition import expand
 from ddpexp.report.prediction import prediction
-from ddpexp.report.table import COLUMNS
 from ddpexp.report.table import table as report_table
 from ddpexp.runrecord import strategy_label
 
@@ -115,7 +114,8 @@ def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: P
     for png in ("acc_vs_time.png", "loss_vs_step.png", "throughput.png", "scaling.png"):
         assert (preset_sweep / png).stat().st_size > 5000
     (group,) = report.group_runs(report.find_runs([preset_sweep]))  # one model, data and global batch
-    table = {cells[0]: dict(zip(COLUMNS, cells, strict=True)) for cells in report_table(group, 0.5)}
+    header, rows = report_table(group, 0.5)
+    table = {cells[0]: dict(zip(header, cells, strict=True)) for cells in rows}
     assert table["strategy=single"]["vs baseline"] == "baseline"  # single, even where dp is faster
     for job in JOBS:
         m = metrics(preset_sweep / job)
@@ -331,8 +331,11 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
 
 
 def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_that_log_them(tmp_path: Path):
-    """Fabricated runs (metrics.json only): pipeline runs show their last epoch's measured bubble next
-    to the textbook one, ps async its staleness mean/max; every other run shows "-" there."""
+    """Fabricated runs (metrics.json only, with the columns each strategy declares, as a run records
+    them): pipeline runs show their last epoch's measured bubble next to the textbook one, ps async its
+    staleness mean/max; every other run shows "-" there."""
+    from ddpexp import strategies
+
     finals = {
         "strategy=pipeline": {"pipe/bubble_frac": 0.6912, "pipe/bubble_frac_textbook": 0.2},
         "strategy=pipeline_1f1b": {"pipe/bubble_frac": 0.65, "pipe/bubble_frac_textbook": 0.2},
@@ -342,15 +345,17 @@ def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_tha
     }
     for name, final in finals.items():
         (tmp_path / name).mkdir()
-        facts = {"strategy": name.removeprefix("strategy=").split("_")[0]}
+        strategy = name.removeprefix("strategy=").split("_")[0]
+        columns = [c.to_dict() for c in strategies.get(strategy).report_columns]
+        facts = {"strategy": strategy, "strategy_columns": columns}
         (tmp_path / name / "metrics.json").write_text(
             json.dumps({"status": "completed", "facts": facts, "final": final, "best": {}, "history": []})
         )
     report.main([str(tmp_path)])
     lines = (tmp_path / "report.md").read_text().splitlines()
-    header = next(line for line in lines if line.startswith("| run |")).split(" | ")
+    header = next(line for line in lines if line.startswith("| run |")).strip("| ").split(" | ")
     table = {
-        row.split(" | ")[0].removeprefix("| "): dict(zip(header, row.split(" | "), strict=True))
+        row.split(" | ")[0].removeprefix("| "): dict(zip(header, row.strip("| ").split(" | "), strict=True))
         for row in lines
         if row.startswith("| strategy=")
     }
@@ -394,9 +399,9 @@ def test_report_labels_strategy_variants_apart_and_shows_bytes_and_memory(tmp_pa
         )
     report.main([str(tmp_path)])
     lines = (tmp_path / "report.md").read_text().splitlines()
-    header = next(line for line in lines if line.startswith("| run |")).split(" | ")
+    header = next(line for line in lines if line.startswith("| run |")).strip("| ").split(" | ")
     table = {
-        row.split(" | ")[0].removeprefix("| "): dict(zip(header, row.split(" | "), strict=True))
+        row.split(" | ")[0].removeprefix("| "): dict(zip(header, row.strip("| ").split(" | "), strict=True))
         for row in lines
         if row.startswith("| strategy=")
     }

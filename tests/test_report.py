@@ -121,11 +121,13 @@ def run_report(*args: str) -> str:
 
 def md_tables(text: str) -> dict[str, dict[str, str]]:
     """report.md's rows (every group's) by run name, each as {column: cell}."""
-    rows = {}
+    rows, header = {}, list(COLUMNS)
     for line in text.splitlines():
-        if line.startswith("| ") and not line.startswith("| run |"):
-            cells = [c.strip() for c in line.strip("|").split(" | ")]
-            row = dict(zip(COLUMNS, cells, strict=True))
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        if line.startswith("| run |"):
+            header = cells  # COLUMNS, then the columns the group's strategies declare
+        elif line.startswith("| ") and not line.startswith("|---"):
+            row = dict(zip(header, cells, strict=True))
             rows[row["run"]] = row
     return rows
 

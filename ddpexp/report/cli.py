@@ -28,7 +28,7 @@ def render_markdown(groups: list[Group], *, dirs: list[Path], target: float, ima
         f"best metric first reached {target:g}.",
     ]
     for group in groups:
-        body += ["", f"## {heading(group)}", "", markdown(table(group, target)), ""]
+        body += ["", f"## {heading(group)}", "", markdown(*table(group, target)), ""]
         body += [f"- note: {note}" for note in group.notes]
         body += [f"- [{flag.number}] warning: {flag.text}" for flag in group.flags()]
     body += ["", *(f"![{p.stem}]({p.name})" for p in images), ""]
@@ -38,7 +38,7 @@ def render_markdown(groups: list[Group], *, dirs: list[Path], target: float, ima
 def render_plain(groups: list[Group], target: float) -> str:
     lines: list[str] = []
     for group in groups:
-        lines += [heading(group), plain(table(group, target))]
+        lines += [heading(group), plain(*table(group, target))]
         lines += [f"note: {note}" for note in group.notes]
         lines += [f"warning [{flag.number}]: {flag.text}" for flag in group.flags()]
         lines.append("")

@@ -70,10 +70,12 @@ def _record(group: Group, row: Row, target: float) -> dict[str, Any]:
         "vs_baseline": row.versus,
         "comm_share": row.median(lambda r: r.mean("comm/share")),
         "comm_bytes_per_step": final("comm/bytes_per_step"),
-        "bubble_frac": final("pipe/bubble_frac"),
-        "bubble_frac_textbook": final("pipe/bubble_frac_textbook"),
-        "staleness_mean": final("ps/staleness_mean"),
-        "staleness_max": final("ps/staleness_max"),
+        # the strategy's own scalars (its report_columns), by name: bubble_frac, staleness_max...
+        **{
+            tag.rpartition("/")[2]: final(tag)
+            for column in row.facts.get("strategy_columns") or []
+            for tag in column["tags"]
+        },
         "peak_mem_mb": row.median(lambda r: r.peak("mem/peak_mb")),
         "params_mb": final("mem/params_mb"),
         "grads_mb": final("mem/grads_mb"),
@@ -89,7 +91,8 @@ def _mean(values: list[float]) -> float | None:
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else [])
+    fields = list(dict.fromkeys(key for record in rows for key in record))  # rows may add a strategy's own
+    writer = csv.DictWriter(buffer, fieldnames=fields, restval="")
     writer.writeheader()
     for record in rows:
         writer.writerow(

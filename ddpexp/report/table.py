@@ -1,4 +1,5 @@
-"""The report's table: one row of cells per pooled row (COLUMNS), as markdown or for a terminal."""
+"""The report's table: one row of cells per pooled row (COLUMNS, then the strategies' own columns),
+as markdown or for a terminal."""
 
 from __future__ import annotations
 
@@ -35,16 +36,47 @@ COLUMNS = (
     "warnings",
     "comm share",
     "comm bytes/step",
-    "bubble: measured/textbook",
-    "staleness: mean/max",
     "peak mem (MB)",
     "per rank MB: params/grads/optim",
 )
 
 
-def table(group: Group, target: float) -> list[list[str]]:
-    """One list of cells (in COLUMNS' order) per row of the group."""
-    return [_cells(row, target) for row in group.rows]
+def table(group: Group, target: float) -> tuple[list[str], list[list[str]]]:
+    """The header (COLUMNS, then the columns the group's strategies declare for scalars of their own)
+    and one list of cells per row of the group."""
+    declared = strategy_columns(group.rows)
+    header = [*COLUMNS, *declared]
+    return header, [_cells(row, target) + _strategy_cells(row, declared) for row in group.rows]
+
+
+def strategy_columns(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Heading -> column, for every column a row's strategy declared (facts.strategy_columns, written
+    from the strategy's `report_columns`), in the order they first appear."""
+    declared: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for column in row.facts.get("strategy_columns") or []:
+            declared.setdefault(str(column["heading"]), column)
+    return declared
+
+
+def _strategy_cells(row: Row, declared: dict[str, dict[str, Any]]) -> list[str]:
+    """A declared column's last-epoch values joined by "/"; "-" for runs whose strategy lacks it."""
+    own = {str(c["heading"]) for c in row.facts.get("strategy_columns") or []}
+    cells = []
+    for heading, column in declared.items():
+        values = [_final(row, str(tag)) for tag in column["tags"]]
+        if heading not in own or all(v is None for v in values):
+            cells.append("-")
+            continue
+        formats = list(column.get("formats") or ["{:.2f}"])
+        formats += formats[-1:] * (len(values) - len(formats))
+        cells.append("/".join(format_cell(v, fmt) for v, fmt in zip(values, formats, strict=False)))
+    return cells
+
+
+def _final(row: Row, tag: str) -> float | None:
+    """The median over the row's runs of a scalar's last-epoch value."""
+    return row.median(lambda r: finite_number(r.final.get(tag)))
 
 
 def _cells(row: Row, target: float) -> list[str]:
@@ -77,8 +109,6 @@ def _cells(row: Row, target: float) -> list[str]:
         " ".join(f"[{flag.number}]" for flag in row.warnings) or "-",
         _pct(row.median(lambda r: r.mean("comm/share"))),
         format_cell(final("comm/bytes_per_step"), "{:,.0f}"),
-        _pair(final("pipe/bubble_frac"), final("pipe/bubble_frac_textbook"), "{:.2f}"),
-        _pair(final("ps/staleness_mean"), final("ps/staleness_max"), "{:.2f}", "{:.0f}"),
         format_cell(row.median(lambda r: r.peak("mem/peak_mb")), "{:,.0f}"),
         _resident([final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")]),
     ]
@@ -117,13 +147,6 @@ def _resident(values: list[float | None]) -> str:
     return "/".join(f"{v:.2f}" for v in values if v is not None)
 
 
-def _pair(first: float | None, second: float | None, fmt: str, second_fmt: str | None = None) -> str:
-    """Two of a strategy's own last-epoch scalars as first/second; "-" for runs that do not log them."""
-    if first is None and second is None:
-        return "-"
-    return f"{format_cell(first, fmt)}/{format_cell(second, second_fmt or fmt)}"
-
-
 def is_accuracy(tag: str) -> bool:
     return tag == "eval/acc" or tag.startswith("eval/top")
 
@@ -145,17 +168,17 @@ def format_cell(v: float | None, fmt: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
 
-def markdown(cells: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown(header: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines)
 
 
-def plain(cells: list[list[str]]) -> str:
+def plain(header: list[str], cells: list[list[str]]) -> str:
     """The table for a terminal: columns that are "-" in every row left out."""
-    keep = [i for i in range(len(COLUMNS)) if i == 0 or any(row[i] != "-" for row in cells)]
-    widths = {i: max(len(COLUMNS[i]), *(len(row[i]) for row in cells)) for i in keep}
-    lines = ["  ".join(COLUMNS[i].ljust(widths[i]) for i in keep).rstrip()]
+    keep = [i for i in range(len(header)) if i == 0 or any(row[i] != "-" for row in cells)]
+    widths = {i: max(len(header[i]), *(len(row[i]) for row in cells)) for i in keep}
+    lines = ["  ".join(header[i].ljust(widths[i]) for i in keep).rstrip()]
     lines += ["  ".join(row[i].ljust(widths[i]) for i in keep).rstrip() for row in cells]
     return "\n".join(lines)
 
