@@ -1,6 +1,6 @@
-"""Your own model and dataset without forking: the README's example as it is shown (its files are
-docs/examples/own_model/), torchvision's builders as `_target_`, plain torch Datasets wrapped, and the
-one-line refusals when a dataset cannot say what it holds."""
+"""Your own model and dataset without forking: the docs' example as it is shown (docs/own-model.md; its
+files are docs/examples/own_model/), torchvision's builders as `_target_`, plain torch Datasets
+wrapped, and the one-line refusals when a dataset cannot say what it holds."""
 
 from __future__ import annotations
 
@@ -25,32 +25,31 @@ from ddpexp.errors import UserError
 from .conftest import REPO, metrics, run_here
 
 EXAMPLE = REPO / "docs" / "examples" / "own_model"
-README = (REPO / "README.md").read_text()
+PAGE = (REPO / "docs/own-model.md").read_text()  # its bash block: "run by" this file (tests/test_docs.py)
 
 
-def readme_command(start: str) -> list[str]:
-    """The arguments of the README line that starts with `start`, as a shell would split them."""
-    (line,) = [ln for ln in README.splitlines() if ln.startswith(start)]
+def page_command(start: str) -> list[str]:
+    """The arguments of the docs page's line that starts with `start`, as a shell would split them."""
+    (line,) = [ln for ln in PAGE.splitlines() if ln.startswith(start)]
     return shlex.split(line)[1:]
 
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A directory holding the README example's files, as a user's project would."""
+    """A directory holding the docs example's files, as a user's project would."""
     shutil.copytree(EXAMPLE, tmp_path / "project")
     return tmp_path / "project"
 
 
-def test_the_readme_shows_the_example_files_as_they_are():
-    section = README[README.index("### Your own model and dataset") :]
+def test_the_docs_show_the_example_files_as_they_are():
     for name in ("my_models.py", "conf/model/net.yaml", "conf/data/stripes.yaml"):
-        assert (EXAMPLE / name).read_text().strip() in section, name
+        assert (EXAMPLE / name).read_text().strip() in PAGE, name
 
 
-def test_the_readme_example_trains_through_the_console_script(project: Path):
-    """`ddpexp model._target_=my_models.Net data._target_=my_models.dataset ...` as the README shows it,
+def test_the_docs_example_trains_through_the_console_script(project: Path):
+    """`ddpexp model._target_=my_models.Net data._target_=my_models.dataset ...` as the docs show it,
     run by the installed console script in the project directory: my_models is found there."""
-    args = readme_command("ddpexp model._target_=my_models.Net")
+    args = page_command("ddpexp model._target_=my_models.Net")
     script = Path(sys.executable).parent / "ddpexp"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # my_models: only in the cwd
     proc = subprocess.run(
@@ -68,8 +67,8 @@ def test_the_readme_example_trains_through_the_console_script(project: Path):
     assert m["final"]["eval/acc"] > 0.9  # stripes are easy: the example learns
 
 
-def test_the_readme_config_dir_example_trains(project: Path):
-    result = run_here(project, *readme_command("ddpexp --config-dir conf"), "hydra.run.dir=run")
+def test_the_docs_config_dir_example_trains(project: Path):
+    result = run_here(project, *page_command("ddpexp --config-dir conf"), "hydra.run.dir=run")
     assert result.returncode == 0, result
     m = metrics(project / "run")
     assert m["status"] == "completed" and m["facts"]["eval_samples"] == 102  # 0.2 of 512, stripes.yaml

@@ -1,5 +1,4 @@
-"""A model and a dataset of your own, trained by ddpexp without changing it (README: "Your own model
-and dataset")."""
+"""A model and a dataset of your own, trained by ddpexp without changing it (docs/own-model.md)."""
 
 import torch
 from torch import nn
