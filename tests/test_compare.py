@@ -413,8 +413,8 @@ def test_report_labels_strategy_variants_apart_and_shows_bytes_and_memory(tmp_pa
         "strategy=ddp": "ddp",
     }
     assert table["strategy=fsdp"]["comm bytes/step"] == "22,000,000"
-    assert table["strategy=fsdp"]["per rank MB: params/grads/optim |"] == "21.30/21.30/21.30 |"
-    assert table["strategy=ddp"]["per rank MB: params/grads/optim |"] == "42.60/42.60/42.60 |"
+    assert table["strategy=fsdp"]["per rank MB: params/grads/optim"] == "21.30/21.30/21.30"
+    assert table["strategy=ddp"]["per rank MB: params/grads/optim"] == "42.60/42.60/42.60"
     assert table["strategy=ddp"]["final"] == "25.00%"
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -179,67 +180,146 @@ def test_resume_auto_never_changes_a_finished_run(tmp_path: Path):
     assert metrics(tmp_path / "run")["final"]["step"] == 8  # asking for more steps does continue
 
 
+# Loaded by every Python process of a command (PYTHONPATH), so that a test waits for events instead of
+# sleeping. Each process records itself as it starts (<DDPEXP_TEST_PROCS>/<pid>: its command line).
+# DDPEXP_TEST_PAUSES is a ";"-list of WHO=MODULE: a process whose command line contains WHO, the moment
+# it first imports MODULE, writes <DDPEXP_TEST_PROCS>/paused-MODULE and waits there, inside that
+# import, until <DDPEXP_TEST_PROCS>/go-MODULE exists (forever if the test never writes it).
+_RECORD_AND_PAUSE = """
+import os, sys, time
+_procs = os.environ.get("DDPEXP_TEST_PROCS")
+if _procs:
+    with open("/proc/self/cmdline", "rb") as f:
+        _cmdline = f.read().replace(b"\\0", b" ").decode()
+    with open(os.path.join(_procs, str(os.getpid())), "w") as f:
+        f.write(_cmdline)
+    class _Pause:
+        def __init__(self, module):
+            self.module = module
+        def find_spec(self, name, path=None, target=None):
+            if name == self.module:
+                sys.meta_path.remove(self)
+                open(os.path.join(_procs, "paused-" + name), "w").close()
+                while not os.path.exists(os.path.join(_procs, "go-" + name)):
+                    time.sleep(0.01)
+            return None
+    for _spec in filter(None, os.environ.get("DDPEXP_TEST_PAUSES", "").split(";")):
+        _who, _module = _spec.split("=")
+        if _who in _cmdline:
+            sys.meta_path.insert(0, _Pause(_module))
+"""
+COMMAND, FORKSERVER = "-m ddpexp", "multiprocessing.forkserver"
+
+
+def recording(tmp_path: Path, **pauses: str) -> dict[str, str]:
+    """The environment for a command whose processes record themselves and pause (see above):
+    `pauses` maps a command-line substring to the module its process pauses at."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_RECORD_AND_PAUSE)
+    (tmp_path / "procs").mkdir()
+    return {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path / "site"),
+        "DDPEXP_TEST_PROCS": str(tmp_path / "procs"),
+        "DDPEXP_TEST_PAUSES": ";".join(f"{who}={module}" for who, module in pauses.items()),
+    }
+
+
+def wait_for(condition: Callable[[], bool], proc: subprocess.Popen[str] | None = None) -> None:
+    """Wait until `condition` holds (an event: a file written, a process recorded); fail, with the
+    command's output, if its process ends first or nothing happens for two minutes."""
+    deadline = time.monotonic() + 120
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the command ended first: {proc.communicate()}")
+        assert time.monotonic() < deadline, "the event never came"
+        time.sleep(0.01)
+
+
+def recorded(tmp_path: Path) -> dict[int, str]:
+    """pid -> command line of every Python process the command started (and the command itself)."""
+    return {int(p.name): p.read_text() for p in (tmp_path / "procs").iterdir() if p.name.isdigit()}
+
+
+def paused(tmp_path: Path, module: str) -> bool:
+    return (tmp_path / "procs" / f"paused-{module}").exists()
+
+
 def test_ctrl_c_during_pre_flight_is_one_line_and_exit_130(tmp_path: Path):
-    """A sweep of 400 jobs keeps pre-flight busy composing and checking for several seconds. The
-    command line has started the workers' forkserver meanwhile (launch/warmup.py: it imports torch
-    while pre-flight runs); stopped before a job was chosen, it must not outlive the command."""
-    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,400)", *QUICK]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4)
-    started = {p: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)}
+    """Ctrl-C once pre-flight has begun, while the workers' forkserver the command started early
+    (launch/warmup.py) still imports torch: one line, exit 130, nothing made, and the forkserver does
+    not outlive the command (it is held in its import for good: only a kill ends it)."""
+    # the command pauses as pre-flight begins; its forkserver, in its import of torch, for good
+    env = recording(tmp_path, **{COMMAND: "ddpexp.preflight", FORKSERVER: "torch"})
+    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,4)", *QUICK]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    wait_for(lambda: paused(tmp_path, "ddpexp.preflight") and paused(tmp_path, "torch"), proc)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    (tmp_path / "procs" / "go-ddpexp.preflight").touch()
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["ddpexp: interrupted before anything started"], err
     assert not (tmp_path / "multirun").exists()
-    assert any("forkserver" in cmdline for cmdline in started.values()), started
-    assert not left_running(started)
+    assert not left_running(recorded(tmp_path))
 
 
 def test_bad_input_leaves_no_process_behind_not_even_the_early_forkserver(tmp_path: Path):
     """The command line starts the workers' forkserver before pre-flight (launch/warmup.py); when
-    pre-flight refuses the input, that server, still importing torch, is stopped before the command
-    exits: exit 2, one line, and every process the command started is gone."""
+    pre-flight refuses the input, that server, still importing torch (held there for good), is
+    stopped before the command exits: exit 2, one line, and every process the command started is gone."""
+    # the command pauses as pre-flight begins; its forkserver, in its import of torch, for good
+    env = recording(tmp_path, **{COMMAND: "ddpexp.preflight", FORKSERVER: "torch"})
     cmd = [sys.executable, "-m", "ddpexp", "strategy=ddp", "trainer.batch_size=63", *QUICK]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen: dict[psutil.Process, str] = {}
-    while proc.poll() is None:
-        with contextlib.suppress(psutil.Error):
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                seen.setdefault(p, " ".join(p.cmdline()))
-        time.sleep(0.02)
-    alive = left_running(seen)
-    _out, err = proc.communicate(timeout=30)  # (a server left running would hold the pipes open)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    wait_for(lambda: paused(tmp_path, "ddpexp.preflight") and paused(tmp_path, "torch"), proc)
+    (tmp_path / "procs" / "go-ddpexp.preflight").touch()
+    _out, err = proc.communicate(timeout=60)  # (a server left running would hold the pipes open)
     assert proc.returncode == 2 and err.startswith("ddpexp: error: ") and len(err.splitlines()) == 1, err
-    assert any("forkserver" in cmdline for cmdline in seen.values()), seen
-    assert not alive
+    assert not left_running(recorded(tmp_path))
 
 
-def left_running(procs: dict[psutil.Process, str]) -> list[str]:
-    """The command lines of `procs` still running a second after their command ended (the resource
-    tracker leaves when it reads EOF, a moment after; a forkserver still importing stays for seconds)."""
-    _, alive = psutil.wait_procs(procs, timeout=1)
-    return [procs[p] for p in alive if not _gone(p)]
+def left_running(procs: dict[int, str]) -> list[str]:
+    """The command lines of `procs` still running once their command has ended: each gets ten seconds
+    to go (the resource tracker leaves when it reads EOF, a moment after its command)."""
+    alive = []
+    for pid, cmdline in procs.items():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            with contextlib.suppress(psutil.TimeoutExpired):
+                process.wait(timeout=10)
+            if not _gone(process):
+                alive.append(cmdline)
+    return alive
 
 
 def test_a_ctrl_c_reaching_the_early_forkserver_while_it_imports_is_not_a_traceback(tmp_path: Path):
     """A terminal's Ctrl-C goes to the whole foreground process group, the forkserver the command line
-    started early included (launch/warmup.py). One that lands while the server imports torch must not
-    kill it with a KeyboardInterrupt traceback under the command's one line: it starts with SIGINT
-    blocked. (Its workers unblock it: the SIGINT case of the blame test in test_faults.py.)"""
+    started early included (launch/warmup.py). One that lands while the server imports torch (paused
+    in that import) must not kill it with a KeyboardInterrupt traceback under the command's one line:
+    it starts with SIGINT blocked. (Its workers unblock it: the SIGINT case of the blame test in
+    test_faults.py.)"""
+    env = recording(tmp_path, **{FORKSERVER: "torch"})
     script = (
         "import os, signal, time\n"
+        "from ddpexp.config import StartMethod\n"
         "from ddpexp.launch import warmup\n"
         "warmup.start_early()\n"
         "pid = warmup._unclaimed\n"
-        "time.sleep(0.5)\n"
-        "os.kill(pid, signal.SIGINT)  # mid-import: its preload takes seconds\n"
-        "time.sleep(1)\n"
-        "print('alive' if os.waitpid(pid, os.WNOHANG) == (0, 0) else 'dead')\n"
-        "warmup.release()\n"
+        f"procs = {str(tmp_path / 'procs')!r}\n"
+        "while not os.path.exists(os.path.join(procs, 'paused-torch')):\n"
+        "    time.sleep(0.01)\n"
+        "os.kill(pid, signal.SIGINT)  # mid-import: the server is paused inside import torch\n"
+        "open(os.path.join(procs, 'go-torch'), 'w').close()\n"
+        "warmup.settle(StartMethod.forkserver)  # a dead server would be started anew here\n"
+        "warmup.finish()  # a process forked from the server once its imports are done\n"
+        "print('alive' if warmup._server()._forkserver_pid == pid else 'dead')\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "alive\n" and "KeyboardInterrupt" not in done.stderr, done.stderr
