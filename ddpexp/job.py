@@ -1,8 +1,9 @@
 """One job as the workers receive it: the resolved config, the launch plan, and where to write.
 
-The parent writes it into the run directory (config.yaml is the fully resolved config; plan.json the
-layout decided at launch); self-launched workers read it back from there, torchrun workers receive
-the same dictionary from rank 0 through the rendezvous store. Nobody but the parent calls Hydra.
+The parent writes it into the run directory as a record for people (config.yaml is the fully resolved
+config; plan.json the layout decided at launch). Self-launched workers receive it from their launcher
+(launch/worker.WorkerSpec), torchrun workers the same dictionary from rank 0 through the rendezvous
+store, the other nodes of a self-launch node 0's through its store. Nobody but the parent calls Hydra.
 """
 
 from __future__ import annotations
@@ -87,12 +88,6 @@ class Job:
             self.run_dir / PLAN_FILE,
             json.dumps({k: v for k, v in d.items() if k not in ("config", "run_dir")}, indent=2),
         )
-
-    @classmethod
-    def load(cls, run_dir: Path) -> Job:
-        config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG_FILE))
-        extra = json.loads((run_dir / PLAN_FILE).read_text())
-        return cls.from_dict({"config": config, "run_dir": str(run_dir), **extra})
 
 
 @dataclass(frozen=True)

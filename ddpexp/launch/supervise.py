@@ -7,7 +7,7 @@ Supervision is what keeps a distributed run from hanging or leaking processes:
   and exits 130 / 143;
 - a worker ended by a signal the launcher did not send (SIGTERM, SIGINT, SIGKILL from outside) is the
   cause, reported as such, never the peers that lost their connection to it;
-- a rank whose heartbeat stops (launch/heartbeat.py) is declared hung after dist.hang_timeout_s: its
+- a rank whose heartbeat stops (ddpexp/heartbeat.py) is declared hung after dist.hang_timeout_s: its
   stack goes to its log (faulthandler, on STACK_SIGNAL), the run stops and names it.
 """
 

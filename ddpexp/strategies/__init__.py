@@ -7,10 +7,10 @@ lists in its defaults; a setting another strategy owns then fails at composition
 
 Adding a strategy = one module named after it (the class with its `name`, its config dataclass,
 `@register`) + one YAML in conf/strategy/ (`defaults: [<name>_schema, _self_]`). The YAML's first
-comment line is its line in `--help`; `report_metrics` lists scalars of its own that the report shows
-as columns. A strategy of your own
-lives anywhere importable: its YAML sets `module: your.module`, which ddpexp imports in the parent
-and in every worker before use (tests/tiny_strategy.py is one).
+comment line is its line in `--help`; `report_columns` declares the report's columns for scalars
+of its own. A strategy of your own lives anywhere importable: its YAML sets `name:` and
+`module: your.module`, which ddpexp imports in the parent and in every worker before use
+(tests/tiny_strategy.py with tests/conf/strategy/tiny.yaml is one).
 
 What the contract covers, in the order a run uses it:
   launch arithmetic   uses_process_group, devices_per_process, default_nprocs, pinned_devices
