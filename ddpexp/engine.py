@@ -115,7 +115,7 @@ class Engine:
         device: torch.device,
         task: Task | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        on_checkpoint: Callable[[Position, dict[str, float], bool], None] | None = None,
+        on_checkpoint: Callable[[dict[str, float], bool], None] | None = None,
         on_step: Callable[[int], None] | None = None,
         started_at: float | None = None,
         heartbeat: Heartbeat | None = None,
@@ -125,7 +125,7 @@ class Engine:
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.recorder = recorder
-        self.s = settings
+        self.settings = settings
         self.device = device
         self.task = task or Classification()
         self.scheduler = scheduler
@@ -137,8 +137,6 @@ class Engine:
                 setting="trainer.precision",
                 fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
             )
-        if model.train_step is not None:
-            model.loss = self.task.loss  # the strategy's own step computes the loss: the task's
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()
@@ -167,25 +165,27 @@ class Engine:
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.train_loader) // self.s.accumulate
+        return len(self.train_loader) // self.settings.accumulate
 
     def fit(self) -> dict[str, float]:
         values: dict[str, float] = {}
         if self._done():  # max_steps=0 (or a finished run resumed): score the weights only
             values = self.evaluate()
-            self.recorder.epoch(epoch=self.pos.epoch, epochs=self.s.epochs, step=self.step, values=values)
+            self.recorder.epoch(
+                epoch=self.pos.epoch, epochs=self.settings.epochs, step=self.step, values=values
+            )
             return values
-        while self.pos.epoch < self.s.epochs:
+        while self.pos.epoch < self.settings.epochs:
             epoch = self.pos.epoch
             values = self.train_epoch(epoch)
             ended = self.pos.step_in_epoch >= self.steps_per_epoch
-            last = (epoch + 1 == self.s.epochs and ended) or self._done()
-            if (epoch + 1) % self.s.eval_every_epochs == 0 or last:
+            last = (epoch + 1 == self.settings.epochs and ended) or self._done()
+            if (epoch + 1) % self.settings.eval_every_epochs == 0 or last:
                 values.update(self.evaluate())
-            self.recorder.epoch(epoch=epoch + 1, epochs=self.s.epochs, step=self.step, values=values)
+            self.recorder.epoch(epoch=epoch + 1, epochs=self.settings.epochs, step=self.step, values=values)
             if ended:
                 self.pos = Position(epoch=epoch + 1, step=self.step, step_in_epoch=0)
-            every = self.s.checkpoint_every_epochs
+            every = self.settings.checkpoint_every_epochs
             stop = None if last else self.heartbeat.stop_signal(self.step)  # checkpoint_on_signal
             periodic = (every is not None and (epoch + 1) % every == 0) or last or stop is not None
             self._checkpoint(values, periodic=periodic)
@@ -196,24 +196,24 @@ class Engine:
         return values
 
     def _done(self) -> bool:
-        return self.s.max_steps is not None and self.step >= self.s.max_steps
+        return self.settings.max_steps is not None and self.step >= self.settings.max_steps
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.module.train()
-        acc = self.s.accumulate
+        acc = self.settings.accumulate
         self.train_loader.set_epoch(epoch, start=self.pos.step_in_epoch * acc)
         self._epoch_loss.zero_()  # the previous epoch folded everything it gathered before returning
         steps_per_epoch = self.steps_per_epoch
         remaining = (steps_per_epoch - self.pos.step_in_epoch) * acc
         batches = self.recorder.progress(
-            self.train_loader, total=remaining, desc=f"epoch {epoch + 1}/{self.s.epochs}"
+            self.train_loader, total=remaining, desc=f"epoch {epoch + 1}/{self.settings.epochs}"
         )
-        comm, time_comm_every = self.model.comm, self.s.time_comm_every_steps
+        comm, time_comm_every = self.model.comm, self.settings.time_comm_every_steps
         if comm is not None:
             comm.take()  # drop what evaluation or the previous epoch left
         # The settings read on every step, hoisted out of the loop.
-        log_every, eval_every = self.s.log_every_steps, self.s.eval_every_steps
-        ckpt_every, on_step, pending = self.s.checkpoint_every_steps, self.on_step, self._pending
+        log_every, eval_every = self.settings.log_every_steps, self.settings.eval_every_steps
+        ckpt_every, on_step, pending = self.settings.checkpoint_every_steps, self.on_step, self._pending
         beat, stop_signal = self.heartbeat.beat, self.heartbeat.stop_signal
         micro = steps = scored = 0
         wait = 0.0
@@ -268,12 +268,12 @@ class Engine:
         elapsed = time.perf_counter() - start
         if steps and self.pos.step % log_every:  # the log window ends with the epoch, never spans two
             self._log_train()
-        throughput = steps * self.s.global_batch / elapsed if elapsed > 0 else 0.0
+        throughput = steps * self.settings.global_batch / elapsed if elapsed > 0 else 0.0
         self._check_finite(loss_sum)
         values = {
             "train/epoch_loss": loss_sum / max(micro_count, 1.0),  # train/loss: the log windows
             "perf/samples_per_s": throughput,
-            "perf/samples_per_s_per_device": throughput / self.s.devices,
+            "perf/samples_per_s_per_device": throughput / self.settings.devices,
             "perf/epoch_time_s": elapsed,
             "perf/step_time_s": elapsed / max(steps, 1),
         }
@@ -288,7 +288,7 @@ class Engine:
             f"loss became {word} at step ~{self.step} (lower optim.lr, or enable trainer.clip_grad_norm; "
             "trainer.on_nonfinite=warn trains on)"
         )
-        if self.s.stop_on_nonfinite:
+        if self.settings.stop_on_nonfinite:
             raise TrainingDiverged(message)
         self._nonfinite_seen = True
         log.warning("%s", message)
@@ -340,22 +340,43 @@ class Engine:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return distributed.all_reduce_max(peak)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs of the loop itself, besides the model and optimizer: where training
+        stands, the layout it stood in (accumulate, global batch), the LR schedule and the loss scaler."""
+        return {
+            "step": self.pos.step,
+            "epoch": self.pos.epoch,
+            "step_in_epoch": self.pos.step_in_epoch,
+            "accumulate": self.settings.accumulate,
+            "global_batch": self.settings.global_batch,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state_dict()`: its position, schedule and loss scaler."""
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.pos = Position(epoch=state["epoch"], step=state["step"], step_in_epoch=state["step_in_epoch"])
+
     def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor | None:
         """One micro-batch: forward under autocast, backward of loss/accumulate. Gradient
         synchronisation is suppressed unless `sync` (the last micro-batch of a step). A strategy's own
         train_step replaces the forward and backward (and returns None where it computes no loss)."""
-        if self.s.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
+        if self.settings.channels_last and isinstance(inputs, torch.Tensor) and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         step = self.model.train_step
         if step is not None:
             with contextlib.nullcontext() if sync else self.model.no_sync(), self._autocast():
-                return step(inputs, targets, 1.0 / self.s.accumulate)
+                return step(inputs, targets, 1.0 / self.settings.accumulate, self.task.loss)
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with self._autocast():
                 outputs = self.model.module(inputs)
             loss = self.task.loss(outputs, targets.to(outputs.device, non_blocking=True))
             # Dividing only when accumulating: a no-op division still costs ~18 us per step in autograd.
-            scaled = loss / self.s.accumulate if self.s.accumulate > 1 else loss
+            scaled = loss / self.settings.accumulate if self.settings.accumulate > 1 else loss
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
             scaled.backward()
@@ -363,14 +384,14 @@ class Engine:
 
     def optimizer_step(self) -> None:
         self.model.sync_grads()
-        if self.s.clip_grad_norm is not None:
+        if self.settings.clip_grad_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             if self.model.grad_norm is None:
-                torch.nn.utils.clip_grad_norm_(self._params, self.s.clip_grad_norm)
+                torch.nn.utils.clip_grad_norm_(self._params, self.settings.clip_grad_norm)
             else:  # this rank holds part of the gradient: clip by the whole gradient's norm
                 norm = self.model.grad_norm(self._params)
-                torch.nn.utils.clip_grads_with_norm_(self._params, self.s.clip_grad_norm, norm)
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.settings.clip_grad_norm, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -422,7 +443,7 @@ class Engine:
             self.model.sync_buffers()  # what is saved is what every rank holds
         if self.on_checkpoint is not None:
             with self.heartbeat.slow():
-                self.on_checkpoint(self.pos, values, periodic)
+                self.on_checkpoint(values, periodic)
 
     def _log_train(self) -> None:
         self._fold()

@@ -23,6 +23,7 @@ def run_facts(
     ctx: RunContext,
     splits: Splits,
     model: torch.nn.Module,
+    strategy: strategies.Strategy[Any],
     *,
     loader: str,
     lr: float,
@@ -43,8 +44,8 @@ def run_facts(
         "replicas": p.replicas,
         "devices": p.devices,
         "sync_bn": bool(cfg.strategy.get("sync_bn", False)),
-        "strategy_settings": strategy_settings(cfg.strategy),  # what the report labels variants by
-        "strategy_columns": [c.to_dict() for c in strategies.get(p.strategy).report_columns],
+        "strategy_settings": strategy_settings(strategy),  # what the report labels variants by
+        "strategy_columns": [c.to_dict() for c in strategy.report_columns],
         "global_batch_size": p.global_batch,
         "per_rank_batch_size": p.per_rank_batch * cfg.trainer.accumulate,
         "micro_batch_size": p.per_rank_batch,
@@ -85,10 +86,10 @@ def run_facts(
     }
 
 
-def strategy_settings(section: Any) -> dict[str, Any]:
+def strategy_settings(strategy: strategies.Strategy[Any]) -> dict[str, Any]:
     """The strategy's settings that differ from its schema's defaults (fsdp: reshard_after_forward
     false; ddp: comm_hook bf16), as JSON values: two variants of one strategy tell apart by them."""
-    strategy, settings = strategies.resolve(section)
+    settings = strategy.settings
     defaults = strategy.schema()
     changed = {}
     for field in dataclasses.fields(settings):

@@ -353,8 +353,7 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     except Exception as exc:
         target = OmegaConf.select(model_cfg, "_target_")
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
-    strategy, settings = strategies.resolve(cfg.strategy)
-    strategy.check_model(model, settings)
+    strategies.resolve(cfg.strategy).check_model(model)
     return model
 
 

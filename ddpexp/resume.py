@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import checkpoint, distributed, weights
 from .context import RunContext
-from .engine import Engine, Position
+from .engine import Engine
 from .recorder import Best, NullRecorder
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class CheckpointKeeper:
             else None
         )
 
-    def __call__(self, pos: Position, values: dict[str, float], periodic: bool) -> None:
+    def __call__(self, values: dict[str, float], periodic: bool) -> None:
         value = values.get(self.best.metric)
         improved = self.best.improves(value, self.best_value)
         if improved:
@@ -88,17 +88,11 @@ class CheckpointKeeper:
         if self.checkpointer is not None:
             state = {
                 "format": checkpoint.FORMAT,
-                "step": pos.step,
-                "epoch": pos.epoch,
-                "step_in_epoch": pos.step_in_epoch,
+                **e.state_dict(),  # position, accumulate, global batch, schedule, loss scaler
                 "world_size": self.ctx.world_size,
                 "data_parallel": self.ctx.plan.data_parallel,  # the shards the sample order is cut into
-                "accumulate": e.s.accumulate,
-                "global_batch": e.s.global_batch,
                 "model": model,
                 "optimizer": optimizer,
-                "scheduler": e.scheduler.state_dict() if e.scheduler is not None else {},
-                "scaler": e.scaler.state_dict() if e.scaler is not None else {},
                 "rng": rngs,
                 "config": self.config,
                 "metrics": {"best": self.best_value, "best_metric": self.best.metric, "values": dict(values)},
@@ -118,17 +112,13 @@ class CheckpointKeeper:
             log.info("loaded weights from %s", path)
             return
         self.strategy.load_optimizer_state(e.model, e.optimizer, state["optimizer"])
-        if e.scheduler is not None:
-            e.scheduler.load_state_dict(state["scheduler"])
-        if e.scaler is not None and state.get("scaler"):
-            e.scaler.load_state_dict(state["scaler"])
-        e.pos = Position(epoch=state["epoch"], step=state["step"], step_in_epoch=state["step_in_epoch"])
+        e.load_state_dict(state)
         self.best_value = state["metrics"].get("best")
         same_layout = (state["world_size"], state.get("data_parallel", state["world_size"])) == (
             self.ctx.world_size,
             self.ctx.plan.data_parallel,
         )
-        if same_layout and state["accumulate"] == e.s.accumulate:
+        if same_layout and state["accumulate"] == e.settings.accumulate:
             checkpoint.set_rng_state(state["rng"][self.ctx.rank])
         else:
             log.warning(
@@ -138,7 +128,7 @@ class CheckpointKeeper:
                 state["world_size"],
                 state["accumulate"],
                 self.ctx.world_size,
-                e.s.accumulate,
+                e.settings.accumulate,
                 state["step"],
             )
         log.info(

@@ -29,13 +29,13 @@ log = logging.getLogger(__name__)
 def run(job: Job, ctx: RunContext) -> dict[str, float]:
     cfg, trainer = job.cfg, job.cfg.trainer
     settings = LoopSettings.from_config(cfg, job.plan)
-    strategy, strategy_settings = strategies.resolve(cfg.strategy)
+    strategy = strategies.resolve(cfg.strategy)  # bound to its settings, once for this process
     configure_determinism(trainer.deterministic)
     seed_everything(cfg.seed)  # the same seed on every rank: identical initial weights everywhere
     splits = load_data(build_source(cfg.data), ctx)
     check_split_sizes(len(splits.train.dataset), len(splits.eval.dataset), job.plan, cfg)  # type: ignore[arg-type]
     model = build_model(job, splits)
-    wrapped = strategy.wrap(model, strategy_settings, ctx=ctx, measure_comm=trainer.measure_comm)
+    wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)
     if trainer.compile:
         wrapped.module = torch.compile(wrapped.module)  # type: ignore[assignment]
     seed_everything(cfg.seed + ctx.rank)  # from here on each rank draws its own random stream
@@ -46,7 +46,9 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     steps = settings.total_steps(len(train_loader) // trainer.accumulate)
     resumed = resume.find_checkpoint(trainer.resume, ctx)
     best = Best(*tasks.best_of(cfg))
-    facts = run_facts(job, ctx, splits, model, loader=mode, lr=lr, resumed=resumed[0] if resumed else None)
+    facts = run_facts(
+        job, ctx, splits, model, strategy, loader=mode, lr=lr, resumed=resumed[0] if resumed else None
+    )
     recorder = open_recorder(
         ctx,
         facts,
@@ -187,7 +189,7 @@ def recorded_if_it_stops(recorder: NullRecorder) -> Iterator[None]:
 
 def evaluate_only(engine: Engine, recorder: NullRecorder) -> dict[str, float]:
     values = engine.evaluate()
-    recorder.epoch(epoch=engine.pos.epoch, epochs=engine.s.epochs, step=engine.step, values=values)
+    recorder.epoch(epoch=engine.pos.epoch, epochs=engine.settings.epochs, step=engine.step, values=values)
     recorder.close("completed")
     return values
 

@@ -28,11 +28,11 @@ _COMBINED_BACKEND = re.compile(r"^(cpu|cuda):(nccl|gloo|mpi)(,(cpu|cuda):(nccl|g
 def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None) -> Plan:
     """The launch layout of one job, or a UserError. The strategy decides its devices per process and
     default process count, and checks the finished plan against its own settings."""
-    strategy, settings = strategies.resolve(cfg.strategy)
+    strategy = strategies.resolve(cfg.strategy)
     _check_sizes(cfg)
     device_type = _device_type(cfg.device, host)
-    k = strategy.devices_per_process(settings, device_type=device_type, host=host)
-    launcher, nprocs, world = _layout(cfg, strategy, settings, device_type, host, external, k)
+    k = strategy.devices_per_process(device_type=device_type, host=host)
+    launcher, nprocs, world = _layout(cfg, strategy, device_type, host, external, k)
     if device_type == "cuda" and nprocs * k > host.cuda_devices:
         raise UserError(
             f"{nprocs} processes x {k} device(s) need {nprocs * k} GPUs; {host.cuda_devices} are visible",
@@ -43,7 +43,7 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
     if not strategy.uses_process_group:
         backend = None
     acc = cfg.trainer.accumulate
-    layout = tuple(strategy.data_layout(settings, world_size=world))
+    layout = tuple(strategy.data_layout(world_size=world))
     shards = len(set(layout))
     per_rank = cfg.trainer.batch_per_rank
     global_batch = per_rank * shards * acc if per_rank is not None else cfg.trainer.batch_size
@@ -79,16 +79,15 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         replicas=shards if strategy.uses_process_group else k,
         data_parallel=shards,
         shard_of_rank=layout,
-        pinned_devices=strategy.pinned_devices(settings) if device_type == "cuda" else (),
+        pinned_devices=strategy.pinned_devices() if device_type == "cuda" else (),
     )
-    strategy.check(settings, plan=result, host=host)
+    strategy.check(plan=result, host=host)
     return result
 
 
 def _layout(
     cfg: DictConfig,
     strategy: Strategy[Any],
-    settings: Any,
     device_type: str,
     host: HostFacts,
     external: ExternalWorld | None,
@@ -124,7 +123,7 @@ def _layout(
         return "torchrun", external.local_world_size, external.world_size
     nprocs = cfg.dist.nprocs
     if nprocs is None:
-        nprocs = strategy.default_nprocs(settings, device_type=device_type, host=host, devices_per_process=k)
+        nprocs = strategy.default_nprocs(device_type=device_type, host=host, devices_per_process=k)
     return "spawn", nprocs, nprocs * cfg.dist.nnodes
 
 

@@ -63,9 +63,9 @@ def measure(rounds: int, steps: int) -> dict[str, Any]:
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that Ddp.wrap reads of the context
     sampled_every = TrainerConfig.time_comm_every_steps
     ours = {
-        "every": (Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True), 1),
-        "sampled": (Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=True), sampled_every),
-        "quiet": (Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=False), 1),
+        "every": (Ddp(DdpConfig()).wrap(copy.deepcopy(base), ctx=ctx, measure_comm=True), 1),
+        "sampled": (Ddp(DdpConfig()).wrap(copy.deepcopy(base), ctx=ctx, measure_comm=True), sampled_every),
+        "quiet": (Ddp(DdpConfig()).wrap(copy.deepcopy(base), ctx=ctx, measure_comm=False), 1),
     }
     pyhook = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     pyhook.register_comm_hook(None, default_hooks.allreduce_hook)

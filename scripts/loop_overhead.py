@@ -231,7 +231,7 @@ def _ddp_rounds(rank: int, args: argparse.Namespace, tmp: str) -> None:
         "ddpexp_quiet": (False, 1),
     }
     wrapped = {
-        name: Ddp().wrap(copy.deepcopy(base), DdpConfig(), ctx=ctx, measure_comm=measure)
+        name: Ddp(DdpConfig()).wrap(copy.deepcopy(base), ctx=ctx, measure_comm=measure)
         for name, (measure, _) in variants.items()
     }
     hand = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))

@@ -51,7 +51,7 @@ def test_ddp_s_buffer_broadcast_before_a_step_s_forward_is_metered_as_the_model_
     torch.manual_seed(0)
     model = convnet(channels=[4, 8], num_classes=10, input_shape=[1, 8, 8])
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))
-    wrapped = Ddp().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
+    wrapped = Ddp(DdpConfig()).wrap(model, ctx=ctx, measure_comm=True)
     assert wrapped.comm is not None and wrapped.no_sync is not None
     x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
     steps = 2
@@ -97,7 +97,7 @@ def test_ddp_times_only_the_sampled_steps_and_counts_every_steps_bytes(every: in
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
     ctx: Any = SimpleNamespace(device=torch.device("cpu"))
-    wrapped = Ddp().wrap(model, DdpConfig(), ctx=ctx, measure_comm=True)
+    wrapped = Ddp(DdpConfig()).wrap(model, ctx=ctx, measure_comm=True)
     settings = LoopSettings(
         epochs=1, max_steps=None, log_every_steps=50, eval_every_epochs=1, global_batch=32,
         time_comm_every_steps=every,

@@ -17,7 +17,7 @@ from hydra import compose
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import ddpexp
-from ddpexp import fsutil, report
+from ddpexp import fsutil, report, strategies
 from ddpexp.composition import expand
 from ddpexp.report.prediction import prediction
 from ddpexp.report.table import table as report_table
@@ -269,7 +269,7 @@ def test_sharding_preset_runs_each_variant_on_the_same_resnet_and_batch_and_labe
         cfg = comp(job)
         strategy, settings = SHARDING[option]
         assert cfg.strategy.name == strategy
-        assert strategy_settings(cfg.strategy) == settings
+        assert strategy_settings(strategies.resolve(cfg.strategy)) == settings
         assert cfg.model._target_ == "ddpexp.models.resnet.resnet18" and not cfg.model.cifar_stem
         assert (cfg.data._target_, list(cfg.data.shape)) == ("ddpexp.data.synthetic.synthetic", [3, 32, 32])
         assert (cfg.trainer.batch_size, cfg.trainer.batch_per_rank, cfg.trainer.accumulate) == (64, None, 1)
@@ -312,7 +312,7 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
         cfg = comp(job)
         strategy, settings, world = ARCHITECTURES[option]
         assert cfg.strategy.name == strategy
-        assert strategy_settings(cfg.strategy) == settings
+        assert strategy_settings(strategies.resolve(cfg.strategy)) == settings
         assert cfg.model._target_ == "ddpexp.models.convnet.convnet" and cfg.model.batch_norm is False
         assert cfg.data._target_ == "ddpexp.data.digits.digits"
         plan = check_job(cfg, host, multirun=True)

@@ -165,7 +165,7 @@ def _accumulating_rank(rank: int, tmp: str) -> None:
     for accumulate in (1, 2, 4):
         torch.manual_seed(0)
         model = mlp(num_classes=10, input_shape=[1, 28, 28])  # two shard units: body and head
-        wrapped = Fsdp().wrap(model, FsdpConfig(), ctx=ctx, measure_comm=False)
+        wrapped = Fsdp(FsdpConfig()).wrap(model, ctx=ctx, measure_comm=False)
         before = calls[0]
         for micro in range(accumulate):
             last = micro == accumulate - 1

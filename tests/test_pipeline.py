@@ -74,7 +74,7 @@ class TwoLayers(torch.nn.Module):
 def test_a_model_whose_stages_do_not_partition_it_is_refused(tied: bool, split: bool, words: list[str]):
     """Each rank keeps its stage's weights only: a tensor in two stages, or in none, cannot work."""
     with pytest.raises(UserError) as refused:
-        Pipeline().check_model(TwoLayers(tied=tied, split=split), PipelineConfig(stages=2 if split else 1))
+        Pipeline(PipelineConfig(stages=2 if split else 1)).check_model(TwoLayers(tied=tied, split=split))
     assert all(word in str(refused.value) for word in words), refused.value
 
 

@@ -46,8 +46,7 @@ def job(world: int, *, nodes: int = 1, device_type: str = "cpu", batch: int = 48
 
 
 def communication(name: str, world: int, **settings) -> list[Collective]:
-    strategy, parsed = strategies.resolve({"name": name, **settings})
-    return strategy.communication(parsed, job=job(world))
+    return strategies.resolve({"name": name, **settings}).communication(job=job(world))
 
 
 def counted(name: str, world: int, **settings) -> float:
@@ -186,18 +185,18 @@ def test_ps_funnels_every_push_and_pull_through_the_servers_link():
     flat = 116_528  # parameters and BatchNorm buffers, fp32
     for w, t in times.items():
         assert t == pytest.approx(2 * (w - 1) * flat)  # serialised: grows with W, not bounded like a ring
-    strategy, settings = strategies.resolve({"name": "ps"})
-    two_nodes = strategy.communication(settings, job=job(8, nodes=2))
+    strategy = strategies.resolve({"name": "ps"})
+    two_nodes = strategy.communication(job=job(8, nodes=2))
     assert [(c.calls, c.inter_node) for c in two_nodes] == [(6, False), (8, True)]  # 3 local, 4 remote
-    assert strategy.compute_share(settings, job=job(5)) == 1 / 4  # the server computes nothing
+    assert strategy.compute_share(job=job(5)) == 1 / 4  # the server computes nothing
 
 
 def test_pipeline_compute_carries_the_bubble_and_activations_cross_stages():
-    strategy, settings = strategies.resolve({"name": "pipeline", "stages": 2, "microbatches": 4})
+    strategy = strategies.resolve({"name": "pipeline", "stages": 2, "microbatches": 4})
     p, m = 2, 4
-    assert strategy.compute_share(settings, job=job(2)) == pytest.approx((m + p - 1) / (m * p))
-    assert strategy.compute_share(settings, job=job(4)) == pytest.approx((m + p - 1) / (m * p * 2))
-    one, two = strategy.communication(settings, job=job(2)), strategy.communication(settings, job=job(4))
+    assert strategy.compute_share(job=job(2)) == pytest.approx((m + p - 1) / (m * p))
+    assert strategy.compute_share(job=job(4)) == pytest.approx((m + p - 1) / (m * p * 2))
+    one, two = strategy.communication(job=job(2)), strategy.communication(job=job(4))
     assert [c.op for c in one] == ["sendrecv"] and [c.op for c in two] == ["sendrecv", "all_reduce"]
     activations = one[0]
     # 48 samples / 4 micro-batches = 12; the ConvNet's stages balanced by parameters are layer1 + layer2
@@ -205,7 +204,7 @@ def test_pipeline_compute_carries_the_bubble_and_activations_cross_stages():
     assert activations.calls == 2 * (m + p - 1)
     assert activations.bytes == 2 * (m + p - 1) * 12 * 32 * 7 * 7 * 4
     with pytest.raises(strategies.UserError, match="whole pipelines"):
-        strategy.compute_share(settings, job=job(3))
+        strategy.compute_share(job=job(3))
 
 
 def test_a_commbench_fit_comes_back_at_its_own_size(tmp_path: Path):
@@ -307,11 +306,11 @@ def test_predictions_are_monotone_and_bounded(tmp_path: Path, name: str, device_
 
 def test_every_builtin_strategy_describes_itself_or_refuses_a_size():
     for name in strategies.builtin_names():
-        strategy, settings = strategies.resolve({"name": name})
+        strategy = strategies.resolve({"name": name})
         for world in (1, 2, 3, 4):
             try:
-                out = strategy.communication(settings, job=job(world, device_type="cuda"))
-                share = strategy.compute_share(settings, job=job(world, device_type="cuda"))
+                out = strategy.communication(job=job(world, device_type="cuda"))
+                share = strategy.compute_share(job=job(world, device_type="cuda"))
             except strategies.UserError:
                 continue
             assert 0 < share <= 1 and all(c.bytes >= 0 and c.calls >= 0 for c in out), name

@@ -171,14 +171,14 @@ def _async_rank(rank: int, tmp: str) -> None:
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-    strategy = Ps()
+    strategy = Ps(PsConfig(mode=ASYNC))
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    wrapped = strategy.wrap(model, PsConfig(mode=ASYNC), ctx=cpu, measure_comm=True)
+    wrapped = strategy.wrap(model, ctx=cpu, measure_comm=True)
     optimizer = strategy.build_optimizer(wrapped, OptimizerSpec(torch.optim.SGD, {"lr": 0.1}))
     fast_done = Path(tmp) / "fast-done"
     for step in range(STEPS):
         if wrapped.train_step is not None:  # the server
-            wrapped.train_step(None, torch.empty(0), 1.0)
+            wrapped.train_step(None, torch.empty(0), 1.0, torch.nn.functional.cross_entropy)
         else:
             torch.manual_seed(rank * 100 + step)
             wrapped.module(torch.randn(8, 4)).square().mean().backward()

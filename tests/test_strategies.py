@@ -122,7 +122,7 @@ def test_ddp_settings_reach_distributed_data_parallel(overrides: list[str], expe
     from ddpexp.strategies.ddp import SYNC_BUFFERS_ARG, ddp_kwargs
 
     cfg = compose(config_name="config", overrides=["strategy=ddp", *overrides])
-    _, settings = strategies.resolve(cfg.strategy)
+    settings = strategies.resolve(cfg.strategy).settings
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(torch.nn.Linear(4, 2), **ddp_kwargs(settings))

@@ -21,7 +21,7 @@ from ddpexp.config import OptimConfig, OptimizerName, Schedule
 from ddpexp.predict import predicted_bytes
 from ddpexp.strategies import Wrapped
 from ddpexp.strategies.ddp import CommHook, DdpConfig, register_comm_hook
-from ddpexp.strategies.zero import Zero
+from ddpexp.strategies.zero import Zero, ZeroConfig
 
 from .conftest import PARITY, metrics, run_here
 
@@ -114,7 +114,7 @@ def test_zero_follows_the_lr_schedule_and_its_state_round_trips():
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
     plain = make(models[0].parameters())
-    zeros = [Zero().build_optimizer(Wrapped(module=m, base=m), make) for m in models[1:]]
+    zeros = [Zero(ZeroConfig()).build_optimizer(Wrapped(module=m, base=m), make) for m in models[1:]]
     schedules = [optim.build_schedule(o, cfg, total_steps=8) for o in (plain, *zeros)]
     x, y = torch.randn(16, 6), torch.randn(16, 3)
 
@@ -131,7 +131,7 @@ def test_zero_follows_the_lr_schedule_and_its_state_round_trips():
         step(1)
     lrs = {o.param_groups[0]["lr"] for o in (plain, zeros[0])}
     assert len(lrs) == 1 and lrs != {0.1}
-    state = Zero().optimizer_state(Wrapped(module=models[1], base=models[1]), zeros[0])
+    state = Zero(ZeroConfig()).optimizer_state(Wrapped(module=models[1], base=models[1]), zeros[0])
     buffer = io.BytesIO()
     torch.save(state, buffer)  # through a file, as a checkpoint: the state aliases the live tensors
     buffer.seek(0)
@@ -139,7 +139,7 @@ def test_zero_follows_the_lr_schedule_and_its_state_round_trips():
     assert saved["state"].keys() == plain.state_dict()["state"].keys()
     models[2].load_state_dict(models[1].state_dict())
     given = {**saved, "state": dict(saved["state"])}
-    Zero().load_optimizer_state(Wrapped(module=models[2], base=models[2]), zeros[1], given)
+    Zero(ZeroConfig()).load_optimizer_state(Wrapped(module=models[2], base=models[2]), zeros[1], given)
     schedules[2].load_state_dict(schedules[1].state_dict())  # type: ignore[union-attr]
     for _ in range(4):
         step(0)
@@ -210,10 +210,10 @@ def test_resuming_under_powersgd_warns_that_its_state_starts_over(caplog: pytest
     from torch.nn.parallel import DistributedDataParallel
 
     from ddpexp.strategies.ddp import Ddp
-    from ddpexp.strategies.ddp_mp import DdpMp
+    from ddpexp.strategies.ddp_mp import DdpMp, DdpMpConfig
 
     make = optim.spec(OmegaConf.structured(OptimConfig(name=OptimizerName.sgd, lr=0.1, momentum=0.9)))
-    for strategy in (Ddp(), Zero(), DdpMp()):
+    for strategy in (Ddp(DdpConfig()), Zero(ZeroConfig()), DdpMp(DdpMpConfig())):
         for hook in CommHook:
             model = torch.nn.Linear(4, 2)
             ddp = DistributedDataParallel(model)

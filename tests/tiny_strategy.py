@@ -36,13 +36,13 @@ class Tiny(Strategy[TinyConfig]):
     schema = TinyConfig
     report_columns = (ReportColumn("tiny: grad norm", ("tiny/grad_norm",), ("{:.4f}",)),)
 
-    def wrap(self, model: nn.Module, settings: TinyConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = model.to(ctx.device)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0)
         params = [p for p in model.parameters() if p.requires_grad]
-        divisor = dist.get_world_size() if settings.average else 1
+        divisor = dist.get_world_size() if self.settings.average else 1
         last_norm = [0.0]
 
         def sync_grads() -> None:

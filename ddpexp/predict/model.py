@@ -23,11 +23,10 @@ BACKWARD_SHARE = 2 / 3
 FORWARD_SHARE = 1 - BACKWARD_SHARE
 
 
-def target_strategy(
-    run: MeasuredRun, name: str | None = None, overrides: Sequence[str] = ()
-) -> tuple[Any, Any]:
-    """(strategy, its settings): `name` is a conf/strategy option (ddp, fsdp_no_reshard...) or a
-    registered strategy; None: the run's own, with its settings. `overrides`: KEY=VALUE of its settings."""
+def target_strategy(run: MeasuredRun, name: str | None = None, overrides: Sequence[str] = ()) -> Any:
+    """The strategy to predict, bound to its settings: `name` is a conf/strategy option (ddp,
+    fsdp_no_reshard...) or a registered strategy; None: the run's own, with its settings.
+    `overrides`: KEY=VALUE of its settings."""
     import yaml
     from omegaconf import OmegaConf
 
@@ -54,8 +53,7 @@ def target_strategy(
                 f"{item!r} is not KEY=VALUE", setting="--set", fix="e.g. --set reshard_after_forward=false"
             )
         section[key.removeprefix("strategy.")] = yaml.safe_load(value)
-    strategy, settings = strategies.resolve(section)
-    return strategy, settings
+    return strategies.resolve(section)
 
 
 # ------------------------------------------------------------------------------------------ the host
@@ -138,8 +136,7 @@ class Predictor:
 
     run: MeasuredRun
     shape: ModelShape
-    strategy: Any
-    settings: Any
+    strategy: Any  # bound to its settings (strategies.resolve)
     fabric: Fabric
     host: Host
     overlap: float | None = None  # overrides Host.overlap_efficiency
@@ -160,12 +157,10 @@ class Predictor:
         overlap: float | None = None,
     ) -> Predictor:
         measured = MeasuredRun.of(run)
-        target, target_settings = target_strategy(measured, strategy, settings)
         predictor = cls(
             measured,
             model_shape(measured),
-            target,
-            target_settings,
+            target_strategy(measured, strategy, settings),
             fabric(interconnect, commbench),
             host_of(measured),
             overlap,
@@ -175,15 +170,15 @@ class Predictor:
 
     # -------------------------------------------------------------------- reading the run
 
-    def workload(self, devices: int, nodes: int, strategy: Any = None, settings: Any = None) -> Workload:
+    def workload(self, devices: int, nodes: int, strategy: Any = None) -> Workload:
         from ..plan import HostFacts
 
-        strategy, settings = strategy or self.strategy, settings or self.settings
+        strategy = strategy or self.strategy
         facts = self.run.facts
         device_type = str(facts.get("device_type", "cpu"))
         if strategy.uses_process_group:
             host = HostFacts(cuda_devices=devices // max(nodes, 1), nccl=True, gloo=True, mpi=False)
-            per_process = strategy.devices_per_process(settings, device_type=device_type, host=host)
+            per_process = strategy.devices_per_process(device_type=device_type, host=host)
             if devices % (per_process * nodes):
                 raise UserError(
                     f"{devices} devices on {nodes} node(s) do not make whole processes of "
@@ -213,10 +208,10 @@ class Predictor:
         facts = self.run.facts
         step = self.run.mean("perf/step_time_s")
         comm = self.run.mean("comm/time_per_step_s")
-        strategy, settings = target_strategy(self.run)
+        strategy = target_strategy(self.run)
         devices, nodes = int(facts.get("devices") or 1), int(facts.get("nnodes") or 1)
-        job = self.workload(devices, nodes, strategy, settings)
-        metered = [c for c in strategy.communication(settings, job=job) if c.counted > 0]
+        job = self.workload(devices, nodes, strategy)
+        metered = [c for c in strategy.communication(job=job) if c.counted > 0]
         try:
             weights = [self.fabric.time_s(c) for c in metered]
         except UserError:  # a multi-node run read with an intra-node fabric: split by bytes instead
@@ -231,7 +226,7 @@ class Predictor:
         for _ in range(100):
             compute = step - comm + hidden_s(timed, compute, efficiency) if timed else step - comm
         self.compute_run_s = max(compute, 1e-12)
-        share = strategy.compute_share(settings, job=job)
+        share = strategy.compute_share(job=job)
         processes = job.procs_per_node if strategy.uses_process_group else 1
         threads = int(facts.get("threads") or 1)  # runs from before facts.threads: 1 per process
         self.work_s = self.compute_run_s * self.host.cores_per_process(processes, threads) / share
@@ -253,8 +248,8 @@ class Predictor:
     def point(self, devices: int, nodes: int = 1) -> Point:
         try:
             job = self.workload(devices, nodes)
-            collectives = self.strategy.communication(self.settings, job=job)
-            share = self.strategy.compute_share(self.settings, job=job)
+            collectives = self.strategy.communication(job=job)
+            share = self.strategy.compute_share(job=job)
             timed = tuple((c, self.fabric.time_s(c)) for c in collectives)
         except UserError as exc:
             nan = math.nan
@@ -310,11 +305,10 @@ def predicted_bytes(run: Any, *, strategy: str | None = None, settings: Sequence
     """What comm/bytes_per_step should show for the run's own size (the model's count of what the
     strategy's meter records), for checking the model against a measurement."""
     measured = MeasuredRun.of(run)
-    target, target_settings = target_strategy(measured, strategy, settings)
-    shape = model_shape(measured)
+    target = target_strategy(measured, strategy, settings)
     predictor = Predictor(
-        measured, shape, target, target_settings, Fabric("none", {}, None), host_of(measured)
+        measured, model_shape(measured), target, Fabric("none", {}, None), host_of(measured)
     )
     facts = measured.facts
     job = predictor.workload(int(facts.get("devices") or 1), int(facts.get("nnodes") or 1))
-    return sum(c.counted for c in target.communication(target_settings, job=job))
+    return sum(c.counted for c in target.communication(job=job))

@@ -15,13 +15,13 @@ def _ms(seconds: float) -> str:
 
 def render(predictor: Predictor, points: Sequence[Point]) -> str:
     run, facts = predictor.run, predictor.run.facts
-    label = predictor.settings.name
-    defaults = type(predictor.settings)()
+    settings = predictor.strategy.settings
+    label = settings.name
+    defaults = type(settings)()
     changed = {
-        f.name: getattr(predictor.settings, f.name)
-        for f in dataclasses.fields(predictor.settings)
-        if f.name not in ("name", "module")
-        and getattr(predictor.settings, f.name) != getattr(defaults, f.name)
+        f.name: getattr(settings, f.name)
+        for f in dataclasses.fields(settings)
+        if f.name not in ("name", "module") and getattr(settings, f.name) != getattr(defaults, f.name)
     }
     if changed:
         label += " " + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in changed.items())

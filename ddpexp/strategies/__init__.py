@@ -42,6 +42,7 @@ from torch import nn
 from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
+from ..tasks import Loss
 from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class DataParallelConfig(StrategyConfig):
 NOT_STRATEGIES = frozenset({"comm", "syncbn"})
 
 C = TypeVar("C", bound=StrategyConfig)
-TrainStep = Callable[[Any, torch.Tensor, float], "torch.Tensor | None"]
+TrainStep = Callable[[Any, torch.Tensor, float, Loss], "torch.Tensor | None"]
 
 
 @dataclass
@@ -105,14 +106,12 @@ class Wrapped:
     # rank then runs as many eval forwards as the rank with the most eval batches (see Engine.evaluate).
     collective_eval: bool = False
     # A strategy whose ranks do not each run the whole model forward and backward (a pipeline stage, a
-    # parameter server) replaces the engine's micro-batch: train_step(inputs, targets, scale) runs it
-    # (backward of loss x scale, scale = 1/accumulate) and returns the micro-batch's mean loss,
-    # detached, or None on a rank that computes no loss. eval_module may likewise return None from
+    # parameter server) replaces the engine's micro-batch: train_step(inputs, targets, scale, loss)
+    # runs it with the task's loss, (outputs, targets) -> the micro-batch's mean loss (backward of
+    # loss x scale, scale = 1/accumulate), and returns that mean loss, detached, or None on a rank
+    # that computes no loss. eval_module may likewise return None from
     # its forward on a rank that scores nothing (Engine.evaluate then skips that batch).
     train_step: TrainStep | None = None
-    # The task's training loss, (outputs, targets) -> the micro-batch's mean loss: the engine sets it
-    # when it takes a model with a train_step, which computes the loss itself.
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # Scalars of the strategy's own for each training epoch (pipe/bubble_frac...), merged into the
     # epoch's values by the engine. Called on every rank at the same point: it may reduce over ranks.
     extra_metrics: Callable[[], dict[str, float]] | None = None
@@ -135,8 +134,10 @@ class Wrapped:
 
 
 class Strategy(ABC, Generic[C]):
-    """One way of spreading training over devices. Subclasses set `name` and `schema` and implement
-    `wrap`; everything else has the behaviour of a plain replicated model as its default."""
+    """One way of spreading training over devices, bound to its settings (`self.settings`, the
+    strategy's section of the config under its schema C): `resolve` makes one per process from the
+    config. Subclasses set `name` and `schema` and implement `wrap`; everything else has the behaviour
+    of a plain replicated model as its default."""
 
     name: ClassVar[str]
     schema: ClassVar[type[StrategyConfig]]
@@ -145,41 +146,43 @@ class Strategy(ABC, Generic[C]):
     # The report's columns for this strategy's own scalars (recorded in each run's facts).
     report_columns: ClassVar[tuple[ReportColumn, ...]] = ()
 
-    def settings(self, section: Any) -> C:
+    def __init__(self, settings: C) -> None:
+        self.settings = settings
+
+    @classmethod
+    def parse(cls, section: Any) -> C:
         """The strategy's section of the config as its own dataclass. A key it does not have (forced
         in with ++, or in a YAML of your own) is refused naming the strategies that do have it."""
         try:
             plain = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
-            merged = OmegaConf.merge(OmegaConf.structured(self.schema), plain)
+            merged = OmegaConf.merge(OmegaConf.structured(cls.schema), plain)
             settings = OmegaConf.to_object(merged)
         except OmegaConfBaseException as exc:
             key = getattr(exc, "key", None)
             raise UserError(
                 " ".join(str(exc).splitlines()[0].split()),
                 setting=f"strategy.{key}" if key else "strategy",
-                fix=setting_hint(str(key)) if key else f"check the settings of strategy={self.name}",
+                fix=setting_hint(str(key)) if key else f"check the settings of strategy={cls.name}",
             ) from exc
         return settings  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------- launch arithmetic
 
-    def devices_per_process(self, settings: C, *, device_type: str, host: HostFacts) -> int:
+    def devices_per_process(self, *, device_type: str, host: HostFacts) -> int:
         return 1
 
-    def default_nprocs(
-        self, settings: C, *, device_type: str, host: HostFacts, devices_per_process: int
-    ) -> int:
+    def default_nprocs(self, *, device_type: str, host: HostFacts, devices_per_process: int) -> int:
         """Processes per node when dist.nprocs is not set: one per device group, 2 on a CPU host."""
         if device_type == "cuda":
             return max(host.cuda_devices // devices_per_process, 1)
         return 2
 
-    def pinned_devices(self, settings: C) -> tuple[int, ...]:
+    def pinned_devices(self) -> tuple[int, ...]:
         """The GPUs each process drives, when the strategy names them; empty: the plan assigns them by
         local rank (see `Plan.process_devices`)."""
         return ()
 
-    def data_layout(self, settings: C, *, world_size: int) -> list[int]:
+    def data_layout(self, *, world_size: int) -> list[int]:
         """The data shard each rank reads, by rank: every rank its own (data parallelism) by default.
         Ranks that share a shard (the stages of one pipeline; a parameter server, which reads but
         ignores one) see the same batches; the number of distinct shards splits the global batch."""
@@ -187,16 +190,16 @@ class Strategy(ABC, Generic[C]):
 
     # ------------------------------------------------------------------------- before launch
 
-    def check(self, settings: C, *, plan: Plan, host: HostFacts) -> None:
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
         """Refuse what cannot work with this plan (a UserError naming the setting and the fix)."""
 
-    def check_model(self, model: nn.Module, settings: C) -> None:
+    def check_model(self, model: nn.Module) -> None:
         """Refuse a model the strategy cannot handle; `model` lives on the meta device."""
 
     # ------------------------------------------------------------------------- in each worker
 
     @abstractmethod
-    def wrap(self, model: nn.Module, settings: C, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         """Put the model on this process's device(s) and wrap it for training."""
 
     def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
@@ -224,19 +227,19 @@ class Strategy(ABC, Generic[C]):
     # model cannot describe (a size that does not split) raises UserError, which the prediction reports
     # for that size instead of a number.
 
-    def communication(self, settings: C, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """What this strategy sends in one optimizer step of `job`: the collectives, their bytes and
         what they may hide behind (see `Collective`). Default: nothing (one process, or a strategy
         that does not describe its communication: it is then predicted as free)."""
         return []
 
-    def compute_share(self, settings: C, *, job: Workload) -> float:
+    def compute_share(self, *, job: Workload) -> float:
         """The share of one device's compute for the whole global batch that lies on a step's critical
         path at `job`'s size: 1/world by default (data parallelism, every rank a copy of the model)."""
         return 1.0 / job.world
 
 
-_REGISTRY: dict[str, Strategy[Any]] = {}
+_REGISTRY: dict[str, type[Strategy[Any]]] = {}
 S = TypeVar("S", bound=type[Strategy[Any]])
 
 
@@ -244,7 +247,7 @@ def register(cls: S) -> S:
     """Class decorator: make the strategy available by name, and its schema to Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
 
-    _REGISTRY[cls.name] = cls()
+    _REGISTRY[cls.name] = cls
     # The node carries the strategy's name, so neither the schema nor the YAML has to repeat it.
     ConfigStore.instance().store(group="strategy", name=f"{cls.name}_schema", node=cls.schema(name=cls.name))
     return cls
@@ -260,8 +263,8 @@ def load_builtins() -> None:
         importlib.import_module(f"{__name__}.{name}")
 
 
-def get(name: str, module: str | None = None) -> Strategy[Any]:
-    """The registered strategy `name`, importing `module` (or the built-in module) first if needed."""
+def get(name: str, module: str | None = None) -> type[Strategy[Any]]:
+    """The registered strategy class `name`, importing `module` (or the built-in module) first if needed."""
     if name not in _REGISTRY:
         target = module or (f"{__name__}.{name}" if name in builtin_names() else None)
         if target is not None:
@@ -284,10 +287,10 @@ def get(name: str, module: str | None = None) -> Strategy[Any]:
     return _REGISTRY[name]
 
 
-def resolve(section: Any) -> tuple[Strategy[Any], Any]:
-    """The strategy a config's `strategy` section names, and its settings under the strategy's schema."""
-    strategy = get(section["name"], section.get("module"))
-    return strategy, strategy.settings(section)
+def resolve(section: Any) -> Strategy[Any]:
+    """The strategy a config's `strategy` section names, bound to its settings under its schema."""
+    cls = get(section["name"], section.get("module"))
+    return cls(cls.parse(section))
 
 
 def setting_hint(key: str) -> str:

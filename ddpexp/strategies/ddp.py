@@ -93,14 +93,14 @@ class Ddp(Strategy[DdpConfig]):
     name = "ddp"
     schema = DdpConfig
 
-    def check(self, settings: DdpConfig, *, plan: Plan, host: HostFacts) -> None:
-        check_settings(settings)
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
+        check_settings(self.settings)
 
-    def wrap(self, model: nn.Module, settings: DdpConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
-        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type).to(ctx.device)
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+        model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type).to(ctx.device)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs(settings))
-        meter = register_comm_hook(ddp, settings, measure=measure_comm)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs(self.settings))
+        meter = register_comm_hook(ddp, self.settings, measure=measure_comm)
         return Wrapped(module=ddp, base=model, no_sync=ddp.no_sync, comm=meter)
 
     def load_optimizer_state(
@@ -109,8 +109,8 @@ class Ddp(Strategy[DdpConfig]):
         warn_powersgd_restarts(wrapped)  # called when training resumes from a checkpoint
         super().load_optimizer_state(wrapped, optimizer, state)
 
-    def communication(self, settings: DdpConfig, *, job: Workload) -> list[Collective]:
-        return ddp_communication(settings, job=job)
+    def communication(self, *, job: Workload) -> list[Collective]:
+        return ddp_communication(self.settings, job=job)
 
 
 # DDP's first gradient bucket (the last layers') is capped at 1 MiB when bucket_cap_mb is left at its

@@ -41,34 +41,34 @@ class DdpMp(Strategy[DdpMpConfig]):
     name = "ddp_mp"
     schema = DdpMpConfig
 
-    def devices_per_process(self, settings: DdpMpConfig, *, device_type: str, host: HostFacts) -> int:
-        require_positive({"strategy.stages": settings.stages})  # before any arithmetic divides by it
-        return settings.stages
+    def devices_per_process(self, *, device_type: str, host: HostFacts) -> int:
+        require_positive({"strategy.stages": self.settings.stages})  # before any arithmetic divides by it
+        return self.settings.stages
 
-    def check(self, settings: DdpMpConfig, *, plan: Plan, host: HostFacts) -> None:
-        check_settings(settings)  # every ddp setting applies, strategy.comm_hook included
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
+        check_settings(self.settings)  # every ddp setting applies, strategy.comm_hook included
 
-    def check_model(self, model: nn.Module, settings: DdpMpConfig) -> None:
+    def check_model(self, model: nn.Module) -> None:
         n = len(model_stages(model))
-        if n < settings.stages:
+        if n < self.settings.stages:
             raise UserError(
-                f"{type(model).__name__} splits into at most {n} stages, not {settings.stages}",
+                f"{type(model).__name__} splits into at most {n} stages, not {self.settings.stages}",
                 setting="strategy.stages",
                 fix=f"use strategy.stages<={n}",
             )
 
-    def wrap(
-        self, model: nn.Module, settings: DdpMpConfig, *, ctx: RunContext, measure_comm: bool
-    ) -> Wrapped:
-        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type)
-        pipeline = StageChain(group(model_stages(model), settings.stages), list(ctx.devices))
-        ddp = DistributedDataParallel(pipeline, **ddp_kwargs(settings))  # multi-device module: no device_ids
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+        model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type)
+        pipeline = StageChain(group(model_stages(model), self.settings.stages), list(ctx.devices))
+        ddp = DistributedDataParallel(
+            pipeline, **ddp_kwargs(self.settings)
+        )  # multi-device module: no device_ids
         return Wrapped(
             module=ddp,
             base=model,
             no_sync=ddp.no_sync,
             eval_module=pipeline,
-            comm=register_comm_hook(ddp, settings, measure=measure_comm),
+            comm=register_comm_hook(ddp, self.settings, measure=measure_comm),
         )
 
     def load_optimizer_state(
@@ -77,16 +77,16 @@ class DdpMp(Strategy[DdpMpConfig]):
         warn_powersgd_restarts(wrapped)  # called when training resumes from a checkpoint
         super().load_optimizer_state(wrapped, optimizer, state)
 
-    def communication(self, settings: DdpMpConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """ddp's over the processes, plus the activations (forward) and their gradients (backward)
         that cross from each device to the next inside a process, once per micro-batch and boundary,
         one after the other (the parts run in turn, no pipelining). Not metered."""
-        out = ddp_communication(settings, job=job)
-        if settings.stages < 2:
+        out = ddp_communication(self.settings, job=job)
+        if self.settings.stages < 2:
             return out
         micro = job.global_batch / job.accumulate / job.world
-        sizes = boundary_bytes(group(model_stages(job.model), settings.stages), job, micro)
-        hops = 2 * (settings.stages - 1) * job.accumulate
+        sizes = boundary_bytes(group(model_stages(job.model), self.settings.stages), job, micro)
+        hops = 2 * (self.settings.stages - 1) * job.accumulate
         what = "activations and their gradients between a process's devices (not metered)"
         if not sizes:
             what += "; their size unknown: latency only"

@@ -37,16 +37,16 @@ class Dp(Strategy[DpConfig]):
     schema = DpConfig
     uses_process_group = False
 
-    def devices_per_process(self, settings: DpConfig, *, device_type: str, host: HostFacts) -> int:
+    def devices_per_process(self, *, device_type: str, host: HostFacts) -> int:
         if device_type != "cuda":
             return 1
-        return len(settings.device_ids) if settings.device_ids is not None else host.cuda_devices
+        return len(self.settings.device_ids) if self.settings.device_ids is not None else host.cuda_devices
 
-    def pinned_devices(self, settings: DpConfig) -> tuple[int, ...]:
-        return tuple(settings.device_ids or ())
+    def pinned_devices(self) -> tuple[int, ...]:
+        return tuple(self.settings.device_ids or ())
 
-    def check(self, settings: DpConfig, *, plan: Plan, host: HostFacts) -> None:
-        ids = settings.device_ids
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
+        ids = self.settings.device_ids
         if ids is None:
             return
         if plan.device_type != "cuda":
@@ -63,7 +63,7 @@ class Dp(Strategy[DpConfig]):
                 fix=f"use ids from 0 to {host.cuda_devices - 1}, or null for all",
             )
 
-    def wrap(self, model: nn.Module, settings: DpConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = model.to(ctx.device)
         if ctx.device.type == "cuda":
             dp = DataParallel(model, device_ids=[d.index for d in ctx.devices], output_device=ctx.device)
@@ -72,7 +72,7 @@ class Dp(Strategy[DpConfig]):
             dp = DataParallel(model)  # without GPUs DataParallel simply calls the module
         return Wrapped(module=dp, base=model, eval_module=dp)
 
-    def communication(self, settings: DpConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """DataParallel's copies inside one process, per micro-batch: the model replicated from the
         first GPU to the others before the forward (a broadcast of the parameters), the gradients
         summed back onto it after the backward (a reduce, costed as a broadcast: the same bytes over
@@ -100,7 +100,7 @@ class Dp(Strategy[DpConfig]):
             ),
         ]
 
-    def compute_share(self, settings: DpConfig, *, job: Workload) -> float:
+    def compute_share(self, *, job: Workload) -> float:
         _one_node(job)
         return 1.0 / job.devices if job.device_type == "cuda" else 1.0
 

@@ -82,14 +82,14 @@ class Fsdp(Strategy[FsdpConfig]):
     name = "fsdp"
     schema = FsdpConfig
 
-    def check(self, settings: FsdpConfig, *, plan: Plan, host: HostFacts) -> None:
-        if settings.mixed_precision == MixedPrecision.fp16 and plan.device_type != "cuda":
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
+        if self.settings.mixed_precision == MixedPrecision.fp16 and plan.device_type != "cuda":
             raise UserError(
                 "fp16 mixed precision needs CUDA (its gradients need loss scaling the CPU path lacks)",
                 setting="strategy.mixed_precision",
                 fix="use strategy.mixed_precision=bf16 on CPU",
             )
-        if settings.cpu_offload and plan.device_type != "cuda":
+        if self.settings.cpu_offload and plan.device_type != "cuda":
             raise UserError(
                 "cpu_offload moves GPU shards to host memory; this run is on the CPU already",
                 setting="strategy.cpu_offload",
@@ -98,17 +98,17 @@ class Fsdp(Strategy[FsdpConfig]):
         if plan.world_size == 1:
             log.warning("fsdp on one rank shards nothing: its settings change nothing but speed")
 
-    def wrap(self, model: nn.Module, settings: FsdpConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type)
-        if not settings.cpu_offload:
+        model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type)
+        if not self.settings.cpu_offload:
             model = model.to(ctx.device)
-        kwargs: dict[str, Any] = {"reshard_after_forward": settings.reshard_after_forward}
-        if settings.mixed_precision is not None:
-            dtype = torch.bfloat16 if settings.mixed_precision == MixedPrecision.bf16 else torch.float16
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.settings.reshard_after_forward}
+        if self.settings.mixed_precision is not None:
+            dtype = torch.bfloat16 if self.settings.mixed_precision == MixedPrecision.bf16 else torch.float16
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-        if settings.cpu_offload:
+        if self.settings.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         units = shard_units(model)
         if not units:
@@ -126,7 +126,7 @@ class Fsdp(Strategy[FsdpConfig]):
             module=model, base=model, no_sync=lambda: _no_grad_sync(fsdp), collective_eval=True, comm=meter
         )
 
-    def communication(self, settings: FsdpConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """Per optimizer step, for every shard unit (the model's blocks, then the root with the rest):
         one all-gather of its parameters for each micro-batch's forward, again for the backward with
         reshard_after_forward (the root's too: ddpexp sets the flag explicitly, so torch's exception for
@@ -138,7 +138,9 @@ class Fsdp(Strategy[FsdpConfig]):
         prefetched behind the previous unit's forward, backward ones and the reduce-scatters behind
         the backward pass."""
         world, spans = job.world, job.spans_nodes(job.world)
-        shards = [_shard_bytes(params, world, settings.mixed_precision) for params in _unit_params(job.model)]
+        shards = [
+            _shard_bytes(params, world, self.settings.mixed_precision) for params in _unit_params(job.model)
+        ]
         shards = [b for b in shards if b]  # a unit without parameters has no collectives
         if not shards or world < 2:
             return []
@@ -170,14 +172,14 @@ class Fsdp(Strategy[FsdpConfig]):
                 inter_node=spans,
             ),
         ]
-        if settings.reshard_after_forward:
+        if self.settings.reshard_after_forward:
             out.insert(
                 1,
                 all_gather(
                     "parameter all-gather again for backward (reshard_after_forward)", Overlap.backward
                 ),
             )
-        return out + (syncbn.communication(job.model, job) if settings.sync_bn else [])
+        return out + (syncbn.communication(job.model, job) if self.settings.sync_bn else [])
 
     # ------------------------------------------------------------------------- checkpoints
 

@@ -57,20 +57,18 @@ class NaiveAllreduce(Strategy[NaiveAllreduceConfig]):
     name = "naive_allreduce"
     schema = NaiveAllreduceConfig
 
-    def check(self, settings: NaiveAllreduceConfig, *, plan: Plan, host: HostFacts) -> None:
-        require_positive({}, {"strategy.bucket_cap_mb": settings.bucket_cap_mb})
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
+        require_positive({}, {"strategy.bucket_cap_mb": self.settings.bucket_cap_mb})
 
-    def wrap(
-        self, model: nn.Module, settings: NaiveAllreduceConfig, *, ctx: RunContext, measure_comm: bool
-    ) -> Wrapped:
-        model = maybe_sync_bn(model, settings.sync_bn, ctx.device.type).to(ctx.device)
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+        model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type).to(ctx.device)
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t, src=0)
         params = [p for p in model.parameters() if p.requires_grad]
         meter = CommMeter() if measure_comm else None
-        groups = buckets(params, settings.bucket_cap_mb)
-        reduce = ring_sum if settings.algorithm == Algorithm.ring else collective_sum
+        groups = buckets(params, self.settings.bucket_cap_mb)
+        reduce = ring_sum if self.settings.algorithm == Algorithm.ring else collective_sum
         return Wrapped(
             module=model,
             base=model,
@@ -78,7 +76,7 @@ class NaiveAllreduce(Strategy[NaiveAllreduceConfig]):
             comm=meter,
         )
 
-    def communication(self, settings: NaiveAllreduceConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """One reduction per group of `buckets` (a parameter each, or flat buckets), one after the
         other after the backward pass: nothing hides. `collective`: an all-reduce of every group,
         counted by its size S. `ring`: `ring_sum`'s 2(W-1) send/recv exchanges per group, each rank
@@ -86,13 +84,13 @@ class NaiveAllreduce(Strategy[NaiveAllreduceConfig]):
         sends 2(W-1)/W x S, which is what the meter counts and what crosses each link."""
         world = job.world
         params = [p for p in job.model.parameters() if p.requires_grad]
-        groups = buckets(params, settings.bucket_cap_mb)
+        groups = buckets(params, self.settings.bucket_cap_mb)
         size = float(sum(p.numel() * p.element_size() for p in params))
         spans = job.spans_nodes(world)
-        out = syncbn.communication(job.model, job) if settings.sync_bn else []
+        out = syncbn.communication(job.model, job) if self.settings.sync_bn else []
         if world < 2:
             return out
-        if settings.algorithm == Algorithm.ring:
+        if self.settings.algorithm == Algorithm.ring:
             sent = 2 * (world - 1) / world * size
             what = "ring all-reduce after backward (ddpexp's send/recv)"
             calls = 2 * (world - 1) * len(groups)

@@ -81,28 +81,26 @@ class Pipeline(Strategy[PipelineConfig]):
         ReportColumn("bubble: measured/textbook", ("pipe/bubble_frac", "pipe/bubble_frac_textbook")),
     )
 
-    def default_nprocs(
-        self, settings: PipelineConfig, *, device_type: str, host: HostFacts, devices_per_process: int
-    ) -> int:
-        _require_positive(settings)
-        return settings.stages * settings.replicas
+    def default_nprocs(self, *, device_type: str, host: HostFacts, devices_per_process: int) -> int:
+        _require_positive(self.settings)
+        return self.settings.stages * self.settings.replicas
 
-    def data_layout(self, settings: PipelineConfig, *, world_size: int) -> list[int]:
+    def data_layout(self, *, world_size: int) -> list[int]:
         """Every stage of replica r reads shard r. A world that is not stages x replicas has no layout."""
-        _require_positive(settings)
-        wanted = settings.stages * settings.replicas
+        _require_positive(self.settings)
+        wanted = self.settings.stages * self.settings.replicas
         if world_size != wanted:
             raise UserError(
-                f"{world_size} processes for {settings.stages} stages x {settings.replicas} replica(s) "
-                f"= {wanted}",
+                f"{world_size} processes for {self.settings.stages} stages x {self.settings.replicas} "
+                f"replica(s) = {wanted}",
                 setting="dist.nprocs",
                 fix=f"drop dist.nprocs (pipeline starts {wanted}), or set dist.nprocs={wanted}; "
                 "or change strategy.stages / strategy.replicas",
             )
-        return [rank // settings.stages for rank in range(world_size)]
+        return [rank // self.settings.stages for rank in range(world_size)]
 
-    def check(self, settings: PipelineConfig, *, plan: Plan, host: HostFacts) -> None:
-        batch, micro = plan.per_rank_batch, settings.microbatches
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
+        batch, micro = plan.per_rank_batch, self.settings.microbatches
         if batch % micro:
             divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
             per_batch = plan.global_batch // batch  # replicas x accumulated micro-batches
@@ -112,18 +110,19 @@ class Pipeline(Strategy[PipelineConfig]):
                 fix=f"use strategy.microbatches={divisor} (a divisor of {batch}), or "
                 f"trainer.batch_size={_round_up(plan.global_batch, micro * per_batch)}",
             )
-        if settings.schedule == Schedule("1f1b") and micro < settings.stages:
+        if self.settings.schedule == Schedule("1f1b") and micro < self.settings.stages:
             raise UserError(
-                f"1F1B needs at least as many micro-batches as stages ({settings.stages}), got {micro}",
+                f"1F1B needs at least as many micro-batches as stages ({self.settings.stages}), got {micro}",
                 setting="strategy.microbatches",
-                fix=f"use strategy.microbatches>={settings.stages}, or strategy.schedule=gpipe",
+                fix=f"use strategy.microbatches>={self.settings.stages}, or strategy.schedule=gpipe",
             )
 
-    def check_model(self, model: nn.Module, settings: PipelineConfig) -> None:
+    def check_model(self, model: nn.Module) -> None:
         stages = model_stages(model)
-        if len(stages) < settings.stages:
+        if len(stages) < self.settings.stages:
             raise UserError(
-                f"{type(model).__name__} splits into at most {len(stages)} stages, not {settings.stages}",
+                f"{type(model).__name__} splits into at most {len(stages)} stages, "
+                f"not {self.settings.stages}",
                 setting="strategy.stages",
                 fix=f"use strategy.stages<={len(stages)}",
             )
@@ -136,7 +135,7 @@ class Pipeline(Strategy[PipelineConfig]):
                 setting="strategy",
                 fix="make stages() cover every layer of the model, or use strategy=ddp",
             )
-        shared = _shared_between_parts(model, group(stages, settings.stages))
+        shared = _shared_between_parts(model, group(stages, self.settings.stages))
         if shared:
             raise UserError(
                 f"{', '.join(shared[:3])} would be in two stages at once (tied weights): each process "
@@ -145,12 +144,10 @@ class Pipeline(Strategy[PipelineConfig]):
                 fix="use fewer strategy.stages (tied layers in one stage), or strategy=ddp",
             )
 
-    def wrap(
-        self, model: nn.Module, settings: PipelineConfig, *, ctx: RunContext, measure_comm: bool
-    ) -> Wrapped:
-        runner = StageRunner(model, settings, ctx=ctx)
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+        runner = StageRunner(model, self.settings, ctx=ctx)
         meter = CommMeter() if measure_comm and runner.dp_group is not None else None
-        wrapped = Wrapped(
+        return Wrapped(
             module=runner,
             base=model,
             eval_module=runner,
@@ -161,30 +158,28 @@ class Pipeline(Strategy[PipelineConfig]):
             extra_metrics=runner.bubble_metrics,
             grad_norm=runner.grad_norm,
         )
-        runner.task_loss = lambda: wrapped.loss  # the engine sets it when it takes the model
-        return wrapped
 
     def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         return make(_runner(wrapped).part.parameters())  # this stage's parameters only
 
     # ------------------------------------------------------------------------- cost model
 
-    def compute_share(self, settings: PipelineConfig, *, job: Workload) -> float:
+    def compute_share(self, *, job: Workload) -> float:
         """Each stage computes 1/p of its replica's batch (1/replicas of the global batch), in m
         micro-batches, and the schedule takes m + p - 1 micro-batch slots (forward, then backward): the
         textbook bubble (p - 1)/(m + p - 1) of idle slots. Assumes equal stages."""
-        p, m = settings.stages, settings.microbatches
-        replicas = _replicas(settings, job.world)
+        p, m = self.settings.stages, self.settings.microbatches
+        replicas = _replicas(self.settings, job.world)
         return (m + p - 1) / (m * p * replicas)
 
-    def communication(self, settings: PipelineConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """Activations forward and their gradients backward across the widest stage boundary, one
         transfer per micro-batch slot of the schedule: 2(m + p - 1) on the critical path, each waited
         for before the stage computes (no overlap credited); not metered. With replicas, each stage's
         gradient all-reduced over its replicas after the step, all stages at once (the largest bounds
         the time), counted as the meter counts it: every rank its stage's bytes, S/p on average."""
-        p, m = settings.stages, settings.microbatches
-        replicas = _replicas(settings, job.world)
+        p, m = self.settings.stages, self.settings.microbatches
+        replicas = _replicas(self.settings, job.world)
         parts = group(model_stages(job.model), p)
         micro = job.global_batch / job.accumulate / replicas / m
         sizes = boundary_bytes(parts, job, micro)
@@ -312,7 +307,7 @@ class StageRunner(nn.Module):
         self.timer = StageTimer(self.device)
         self.scale = 1.0
         self.losses: list[torch.Tensor] = []
-        self.task_loss: Callable[[], Loss | None] = lambda: None
+        self.task_loss: Loss | None = None  # the step's: train_step's argument
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         stage = timed_stage_class()(
@@ -328,16 +323,14 @@ class StageRunner(nn.Module):
         """The schedule's loss_fn: the task's mean loss of one micro-batch, kept for reporting, and
         backpropagated scaled so that the step's gradient is that of the per-rank batch's mean loss
         (x 1/accumulate)."""
-        loss_fn = self.task_loss()
-        if loss_fn is None:
-            raise RuntimeError("pipeline's train_step needs the task's loss (Engine sets Wrapped.loss)")
+        assert self.task_loss is not None, "only train_step runs the schedule"
         with self.timer.compute():
-            loss = loss_fn(outputs, targets)
+            loss = self.task_loss(outputs, targets)
         self.losses.append(loss.detach())
         return loss * (self.scale / self.microbatches)
 
-    def train_step(self, inputs: Any, targets: torch.Tensor, scale: float) -> torch.Tensor | None:
-        self.scale = scale
+    def train_step(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> torch.Tensor | None:
+        self.scale, self.task_loss = scale, loss
         self.losses.clear()
         args = (inputs.to(self.device, non_blocking=True),) if self.is_first else ()
         target = targets.to(self.device, non_blocking=True) if self.is_last else None

@@ -113,19 +113,17 @@ class Ps(Strategy[PsConfig]):
         ReportColumn("staleness: mean/max", ("ps/staleness_mean", "ps/staleness_max"), ("{:.2f}", "{:.0f}")),
     )
 
-    def default_nprocs(
-        self, settings: PsConfig, *, device_type: str, host: HostFacts, devices_per_process: int
-    ) -> int:
+    def default_nprocs(self, *, device_type: str, host: HostFacts, devices_per_process: int) -> int:
         if device_type == "cuda":
             return super().default_nprocs(
-                settings, device_type=device_type, host=host, devices_per_process=devices_per_process
+                device_type=device_type, host=host, devices_per_process=devices_per_process
             )
         return 3  # one server and two workers
 
-    def data_layout(self, settings: PsConfig, *, world_size: int) -> list[int]:
+    def data_layout(self, *, world_size: int) -> list[int]:
         return [0, *range(world_size - 1)]  # the server reads worker 1's shard, and ignores it
 
-    def check(self, settings: PsConfig, *, plan: Plan, host: HostFacts) -> None:
+    def check(self, *, plan: Plan, host: HostFacts) -> None:
         if plan.world_size < 2:
             raise UserError(
                 f"a parameter server needs a server and at least one worker, got {plan.world_size} process",
@@ -139,11 +137,11 @@ class Ps(Strategy[PsConfig]):
                 fix="use backend='cpu:gloo,cuda:nccl' (ps's messages then go through host memory over gloo)",
             )
 
-    def wrap(self, model: nn.Module, settings: PsConfig, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = model.to(ctx.device)
         flat = Flat(model)
         meter = CommMeter() if measure_comm else None
-        mode = PsMode(settings.mode)
+        mode = PsMode(self.settings.mode)
         role = Server if dist.get_rank() == 0 else Worker
         node: Server | Worker = role(flat, mode=mode, meter=meter)
         node.sync_buffers()  # every worker starts from the server's parameters and buffers
@@ -178,7 +176,7 @@ class Ps(Strategy[PsConfig]):
             return node.optimizer
         return RemoteOptimizer(node.flat.params, lr=float(make.kwargs.get("lr", 0.0)), step=node.step)
 
-    def communication(self, settings: PsConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """Every worker's push and pull of the flat buffer (S bytes: the trained parameters and the
         buffers in the parameters' dtype) per step, all through the server's link, so one after the
         other: 2(W-1) messages of S per step, whatever W is (the server's link does not grow with W).
@@ -212,7 +210,7 @@ class Ps(Strategy[PsConfig]):
                 )
         return out
 
-    def compute_share(self, settings: PsConfig, *, job: Workload) -> float:
+    def compute_share(self, *, job: Workload) -> float:
         return 1.0 / max(job.world - 1, 1)  # the server computes nothing; W-1 workers split the batch
 
     def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
@@ -293,7 +291,7 @@ class Server:
         self.pulled = dict.fromkeys(self.workers, 0)  # async: the version each worker last pulled
         self.staleness: list[int] = []  # async: of every push this epoch
 
-    def train_step(self, inputs: Any, targets: torch.Tensor, scale: float) -> None:
+    def train_step(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Any) -> None:
         """The server's micro-batch: no computation; at a step's start, the parameters owed to the workers."""
         if self.owed:
             start = time.perf_counter()

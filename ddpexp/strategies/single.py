@@ -27,13 +27,11 @@ class Single(Strategy[SingleConfig]):
     schema = SingleConfig
     uses_process_group = False
 
-    def wrap(
-        self, model: nn.Module, settings: SingleConfig, *, ctx: RunContext, measure_comm: bool
-    ) -> Wrapped:
+    def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = model.to(ctx.device)
         return Wrapped(module=model, base=model)
 
-    def compute_share(self, settings: SingleConfig, *, job: Workload) -> float:
+    def compute_share(self, *, job: Workload) -> float:
         if job.devices != 1:
             raise UserError(
                 "single runs on one device", setting="devices", fix="use ddp (or fsdp...) for more"

@@ -62,7 +62,7 @@ class Zero(Ddp):
         # the others' with None: give it a copy, not the checkpoint's dict.
         _zero(optimizer).load_state_dict({**state, "state": dict(state["state"])})
 
-    def communication(self, settings: DdpConfig, *, job: Workload) -> list[Collective]:
+    def communication(self, *, job: Workload) -> list[Collective]:
         """ddp's (the metered gradient all-reduce, the same bytes), then ZeroRedundancyOptimizer's
         `_sync_params` after every step: each rank broadcasts the parameters it owns to the others
         (parameter by parameter, asynchronously, waited for at the end of step()), so every parameter
@@ -70,7 +70,7 @@ class Zero(Ddp):
         to hide behind. Metered as parameters (comm/bytes_per_step/parameters = S)."""
         world = job.world
         if world < 2:
-            return ddp_communication(settings, job=job)
+            return ddp_communication(self.settings, job=job)
         everything = float(all_parameter_bytes(job.model))
         sync = Collective(
             "parameter broadcast from each owner after the step",
@@ -81,7 +81,7 @@ class Zero(Ddp):
             counted=everything,
             inter_node=job.spans_nodes(world),
         )
-        return [*ddp_communication(settings, job=job), sync]
+        return [*ddp_communication(self.settings, job=job), sync]
 
 
 def _zero(optimizer: torch.optim.Optimizer) -> Any:
