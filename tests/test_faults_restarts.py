@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -209,6 +209,18 @@ if _procs:
             sys.meta_path.insert(0, _Pause(_module))
 """
 COMMAND, FORKSERVER = "-m ddpexp", "multiprocessing.forkserver"
+
+
+@pytest.fixture(autouse=True)
+def _recorded_processes_killed(tmp_path: Path) -> Iterator[None]:
+    """Processes a command left behind are no longer its children (or this test's): the ones it
+    recorded (a forkserver held in its import for good, when a test fails) are killed by their pid."""
+    yield
+    for pid, cmdline in recorded(tmp_path).items() if (tmp_path / "procs").is_dir() else ():
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            if " ".join(process.cmdline()) == cmdline.strip():
+                process.kill()
 
 
 def recording(tmp_path: Path, **pauses: str) -> dict[str, str]:
