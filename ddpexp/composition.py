@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.resources
 import itertools
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -70,7 +71,7 @@ def composer(config_name: str = CONFIG_NAME) -> Iterator[Compose]:
                 except Exception as exc:  # Hydra/OmegaConf composition errors: one line naming the key
                     if _yaml_error(exc) is not None:
                         raise UserError(one_line(exc), fix=YAML_FIX) from exc
-                    raise UserError(one_line(exc), fix=_fix(exc)) from exc
+                    raise _bad_config_file(exc, overrides) or UserError(one_line(exc), fix=_fix(exc)) from exc
 
             yield compose_one
     finally:
@@ -218,6 +219,48 @@ def override_key(override: str) -> str:
 
 
 YAML_FIX = "correct the YAML at that line; usual causes: an unclosed bracket or quote, a tab, indentation"
+# Hydra's words for a config file holding a list or a value: the option, and what it holds.
+_NOT_A_MAPPING = re.compile(
+    "In '([^']+)': ValidationError raised while composing config: "
+    + r"Invalid type assigned: (\w+) is not a subclass of Dict"
+)
+
+
+def _search_dirs(overrides: list[str]) -> list[Path]:
+    """Where Hydra looks for config files: ddpexp's conf/ and the folders --config-dir added."""
+    added = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.searchpath=")]
+    folders = [f.strip() for a in added for f in a.strip("[]").split(",")]
+    return [Path(conf_dir()), *(Path(f.removeprefix("file://")) for f in folders if f.startswith("file://"))]
+
+
+def _bad_config_file(exc: BaseException, overrides: list[str]) -> UserError | None:
+    """A config file Hydra could not use, named: one that is not UTF-8 text (Hydra's error names no
+    file), or one that holds a list or a value where a config (key: value lines) belongs."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, UnicodeDecodeError):
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, UnicodeDecodeError):
+        for path in sorted(p for d in _search_dirs(overrides) for p in d.rglob("*.yaml")):
+            try:
+                path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as bad:
+                return UserError(
+                    f"{path} is not UTF-8 text (byte {bad.object[bad.start]:#04x} at offset {bad.start})",
+                    setting="--config-dir",
+                    fix="save the file as UTF-8 (your editor's encoding setting, or iconv -t utf-8)",
+                )
+        return None
+    found = _NOT_A_MAPPING.search(" ".join(str(exc).split()))
+    if found is None:
+        return None
+    option, kind = found.groups()
+    files = [d / f"{option}.yaml" for d in reversed(_search_dirs(overrides))]
+    where = next((str(f) for f in files if f.is_file()), f"{option}.yaml")
+    return UserError(
+        f"{where} holds a YAML {kind} where a config belongs",
+        setting=option.split("/")[0],
+        fix="write it as key: value lines (a mapping), as the files in ddpexp's conf/ are",
+    )
 
 
 def _yaml_error(exc: BaseException) -> Any:

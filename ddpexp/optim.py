@@ -14,10 +14,46 @@ from omegaconf import DictConfig, OmegaConf
 from .config import OptimizerName, ScaleRule, Schedule
 from .errors import UserError
 
+# torch's own refusals (its ValueError messages), by the setting each names; Nesterov's first, since
+# it also names momentum.
+_REFUSED_BY_TORCH = (
+    ("nesterov", "optim.nesterov", "set optim.momentum > 0, or optim.nesterov=false"),
+    ("learning rate", "optim.lr", "set optim.lr > 0"),
+    ("momentum", "optim.momentum", "set optim.momentum to 0 or more (0.9 is usual)"),
+    ("weight_decay", "optim.weight_decay", "set optim.weight_decay to 0 or more"),
+    ("epsilon", "optim.eps", "set optim.eps to a small positive number, e.g. 1e-8"),
+    ("beta", "optim.betas", "set optim.betas to two numbers in [0, 1), e.g. [0.9,0.999]"),
+)
+_NUMBERS = ("lr", "weight_decay", "momentum", "eps", "gamma", "min_lr_ratio")
+
 
 def check(cfg: DictConfig) -> None:
+    """Refuse what the optimizer would refuse, before anything starts: every number finite (torch lets
+    an infinite learning rate through, and a NaN one would train a whole epoch on NaN), the LR
+    positive, then the optimizer built once on a stand-in parameter so that torch's own checks
+    (momentum, weight decay, betas, eps, Nesterov) speak here rather than in every worker."""
+    numbers = {f"optim.{key}": cfg[key] for key in _NUMBERS} | {
+        f"optim.betas[{i}]": beta for i, beta in enumerate(cfg.betas)
+    }
+    for key, value in numbers.items():
+        if not math.isfinite(value):
+            raise UserError(
+                f"must be a finite number, got {value}", setting=key, fix=f"set {key} to a number"
+            )
     if cfg.lr <= 0:
         raise UserError(f"must be positive, got {cfg.lr}", setting="optim.lr", fix="set optim.lr > 0")
+    made = _spec(cfg, lr=cfg.lr)
+    kwargs = {k: v for k, v in made.kwargs.items() if k != "fused"}  # fused: the device decides
+    try:
+        made.cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except ValueError as exc:
+        said = str(exc)
+        for word, setting, fix in _REFUSED_BY_TORCH:
+            if word in said.lower():
+                raise UserError(f"{made.cls.__name__} refuses it: {said}", setting=setting, fix=fix) from exc
+        raise UserError(
+            f"{made.cls.__name__} refuses it: {said}", setting="optim", fix="check optim.*"
+        ) from exc
 
 
 def scaled_lr(cfg: DictConfig, global_batch: int) -> float:
@@ -45,6 +81,10 @@ class OptimizerSpec:
 def spec(cfg: DictConfig, *, lr: float | None = None) -> OptimizerSpec:
     """The one definition of which optimizer the settings build (lr: the scaled LR, default optim.lr)."""
     check(cfg)
+    return _spec(cfg, lr=lr)
+
+
+def _spec(cfg: DictConfig, *, lr: float | None) -> OptimizerSpec:
     lr = cfg.lr if lr is None else lr
     impl = {} if cfg.fused is None else {"fused": bool(cfg.fused)}
     if OptimizerName(cfg.name) == OptimizerName.sgd:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,13 +160,13 @@ def check_sweep_dir(sweep_dir: Path, resume: str | None) -> None:
         )
 
 
-def refuse_claimed(directory: Path, holder: int) -> UserError:
-    """The one-line refusal when another ddpexp run holds `directory`."""
+def refuse_claimed(directory: Path, holder: int, *, setting: str = "hydra.run.dir") -> UserError:
+    """The one-line refusal when another ddpexp run holds `directory` (`setting` names it)."""
     who = f"pid {holder}" if holder else "another process"
     return UserError(
         f"{directory} is in use by another ddpexp run ({who}); two runs in one directory mix their results",
-        setting="hydra.run.dir",
-        fix="wait for that run to end, or choose another hydra.run.dir (hydra.sweep.dir for sweeps)",
+        setting=setting,
+        fix=f"wait for that run to end, or choose another {setting}",
     )
 
 
@@ -446,12 +447,23 @@ def check_init_file(cfg: DictConfig) -> None:
             setting="dist.init_file",
             fix="delete it if no run uses it, or leave dist.init_file unset for a fresh one in the run dir",
         )
-    if not Path(path).resolve().parent.is_dir():
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
         raise UserError(
             f"the directory of {path} does not exist",
             setting="dist.init_file",
             fix="create it on a filesystem every rank can see, or leave dist.init_file unset",
         )
+    try:  # os.access says yes to root even where the filesystem refuses (/sys): ask the filesystem
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".ddpexp-probe-"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"cannot create {path}: {exc.strerror or exc} in {parent}",
+            setting="dist.init_file",
+            fix="put it in a directory you can write to, on a filesystem every rank can see, "
+            "or leave dist.init_file unset",
+        ) from exc
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -251,7 +251,7 @@ def run_command(
         outcome = nodes.follow(*checked.joining)
         report(outcome)
         return [outcome]
-    claim = claim_output(checked.output_dir)
+    claim = claim_output(checked.output_dir, setting="hydra.sweep.dir" if multirun else "hydra.run.dir")
     try:
         return run_jobs(
             checked.overrides,
@@ -266,9 +266,9 @@ def run_command(
             claim.release()
 
 
-def claim_output(directory: Path | None) -> fsutil.Claim | None:
-    """Claim the run's (or sweep's) directory for this process before Hydra writes anything into it;
-    a UserError naming the holder when another ddpexp run has it."""
+def claim_output(directory: Path | None, *, setting: str = "hydra.run.dir") -> fsutil.Claim | None:
+    """Claim the run's (or, with setting hydra.sweep.dir, the sweep's) directory for this process before
+    Hydra writes anything into it; a UserError naming the holder when another ddpexp run has it."""
     if directory is None:
         return None
     try:
@@ -277,14 +277,13 @@ def claim_output(directory: Path | None) -> fsutil.Claim | None:
         full = exc.errno == errno.ENOSPC
         raise UserError(
             f"cannot make {directory}: {exc.strerror or exc}",
-            setting="hydra.run.dir",
-            fix=("free space on that disk, or " if full else "")
-            + "choose a hydra.run.dir you can write to (hydra.sweep.dir for sweeps)",
+            setting=setting,
+            fix=("free space on that disk, or " if full else "") + f"choose a {setting} you can write to",
         ) from exc
     if not isinstance(got, fsutil.Claim):
         from .preflight import refuse_claimed
 
-        raise refuse_claimed(directory, got)
+        raise refuse_claimed(directory, got, setting=setting)
     return got
 
 

@@ -176,6 +176,7 @@ def _check_sizes(cfg: DictConfig) -> None:
     positive = {
         "trainer.epochs": t.epochs,
         "trainer.batch_size": t.batch_size,
+        "trainer.accumulate": t.accumulate,
         "trainer.eval_every_epochs": t.eval_every_epochs,
         "trainer.log_every_steps": t.log_every_steps,
         "trainer.time_comm_every_steps": t.time_comm_every_steps,

@@ -115,6 +115,11 @@ def test_bad_input_raises_a_user_error_instead_of_exiting(tmp_path: Path, monkey
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ddpexp.UserError, match=r"trainer\.epochs"):
         ddpexp.run(["trainer.epochs=0"])
+    for bad, setting in [("trainer.accumulate=0", "trainer.accumulate"), ("optim.lr=nan", "optim.lr")]:
+        with pytest.raises(ddpexp.UserError, match=setting.replace(".", r"\.")):
+            ddpexp.run([bad, "strategy=ddp"])
+    with pytest.raises(ddpexp.UserError, match=r"optim\.momentum"):
+        ddpexp.run(["strategy=ddp", "optim.momentum=-1"])
     assert list(tmp_path.iterdir()) == []
 
 

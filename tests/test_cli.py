@@ -144,6 +144,15 @@ REFUSALS = [
     ),
     (["data=mnist2"], ["mnist2", "digits"]),
     (["trainer.epochs=0"], ["trainer.epochs", "> 0"]),
+    (["trainer.accumulate=0"], ["trainer.accumulate", "> 0"]),
+    (["optim.lr=nan"], ["optim.lr", "finite"]),
+    (["optim.lr=inf"], ["optim.lr", "finite"]),
+    (["optim=adamw", "optim.betas=[0.9,inf]"], ["optim.betas[1]", "finite"]),
+    (["optim.momentum=-1"], ["optim.momentum", "SGD refuses it", "Invalid momentum value: -1"]),
+    (["optim.weight_decay=-1"], ["optim.weight_decay", "SGD refuses it"]),
+    (["optim.momentum=0", "optim.nesterov=true"], ["optim.nesterov", "optim.momentum > 0"]),
+    (["optim=adamw", "optim.betas=[0.9,1.5]"], ["optim.betas", "AdamW refuses it", "beta"]),
+    (["optim=adamw", "optim.eps=-1"], ["optim.eps", "AdamW refuses it"]),
     (["trainer.batch_size=0"], ["trainer.batch_size"]),
     (["strategy=ddp", "dist.nprocs=0"], ["dist.nprocs"]),
     (["strategy=ddp", "dist.max_restarts=-1"], ["dist.max_restarts", ">= 0"]),
@@ -168,6 +177,10 @@ REFUSALS = [
     (
         ["strategy=ddp", "init=file", "dist.init_file=/nonexistent/dir/rdzv"],
         ["dist.init_file", "/nonexistent/dir/rdzv", "does not exist"],
+    ),
+    (
+        ["strategy=ddp", "init=file", "dist.init_file=/sys/rdzv"],
+        ["dist.init_file", "cannot create /sys/rdzv", "a directory you can write to"],
     ),
     (
         ["trainer.resume=/nonexistent/step-1.pt"],
@@ -296,6 +309,27 @@ def test_a_yaml_syntax_error_in_your_config_dir_names_the_file_and_line(
     line = refuse(tmp_path, monkeypatch, capsys, "--config-dir", str(mine.parent.parent), "model=mine")
     assert f"{mine}, line 4, column 11" in line and "expected ',' or ']'" in line, line
     assert "line 3" in line  # where the unclosed [ began
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (
+            b"# caf\xe9 model\n_target_: ddpexp.models.mlp.mlp\n",
+            ["is not UTF-8 text", "0xe9", "save the file"],
+        ),
+        (b"# a list\n- 1\n- 2\n", ["holds a YAML list where a config belongs", "key: value"]),
+    ],
+    ids=["latin-1", "a list"],
+)
+def test_a_config_file_that_is_not_utf8_or_not_a_mapping_is_named(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys, content: bytes, words: list[str]
+):
+    mine = tmp_path_factory.mktemp("conf") / "model" / "mine.yaml"
+    mine.parent.mkdir()
+    mine.write_bytes(content)
+    line = refuse(tmp_path, monkeypatch, capsys, "--config-dir", str(mine.parent.parent), "model=mine")
+    assert str(mine) in line and all(word in line for word in words), line
 
 
 @pytest.mark.parametrize(("sweep", "setting"), [(False, "hydra.run.dir"), (True, "hydra.sweep.dir")])

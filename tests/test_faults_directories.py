@@ -36,7 +36,8 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 
 def test_a_run_dir_in_use_by_another_run_is_refused_and_left_as_it_was(tmp_path: Path):
     """Two runs started into one hydra.run.dir: the second is refused (exit 2, the holder's PID) and
-    writes nothing there; once the holder is gone, however it ended, the directory is free again."""
+    writes nothing there, and so is a sweep into it, naming hydra.sweep.dir; once the holder is gone,
+    however it ended, the directory is free again."""
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(  # another ddpexp run holding the claim, as a running launcher does
         [
@@ -58,6 +59,11 @@ def test_a_run_dir_in_use_by_another_run_is_refused_and_left_as_it_was(tmp_path:
         assert second.returncode == 2, second
         assert f"is in use by another ddpexp run (pid {holder.pid})" in second.stderr, second
         assert len(second.stderr.strip().splitlines()) == 1, second
+        sweep = run_here(
+            tmp_path, "-m", *QUICK, "trainer.max_steps=2", "seed=0,1", f"hydra.sweep.dir={run_dir}"
+        )
+        assert sweep.returncode == 2, sweep
+        assert "hydra.sweep.dir" in sweep.stderr and "hydra.run.dir" not in sweep.stderr, sweep.stderr
         assert _snapshot(run_dir) == before
     finally:
         holder.kill()
