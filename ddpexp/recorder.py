@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 from . import host
 from .fsutil import atomic_write_bytes, atomic_write_text
-from .runrecord import METRICS_FILE, read_run_record_or_none
+from .runrecord import METRICS_FILE, RunRecordError, read_run_record, read_run_record_or_none
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,9 +183,18 @@ class Recorder(NullRecorder):
         self._write_metrics()
 
     def _continue_metrics(self, step: int) -> None:
-        """Keep the history of the run being resumed, up to the checkpoint's step."""
-        old = read_run_record_or_none(self.run_dir)
+        """Keep the history of the run being resumed, up to the checkpoint's step. A record that is gone
+        or damaged (a crash mid-write where renames are not atomic, an edit) cannot give it: say what
+        is lost, in the log and in the record, rather than start afresh without a word."""
+        try:
+            old = read_run_record(self.run_dir)
+            why = f"{METRICS_FILE} was missing"
+        except RunRecordError as exc:
+            old, why = None, f"{METRICS_FILE} was unreadable ({exc.kind})"
         if old is None:
+            lost = f"{why} when the run resumed at step {step}: its history before that step is lost"
+            log.warning("ddpexp: %s, and so is the count of earlier attempts", lost)
+            self.metrics["lost"] = lost
             return
         history = [h for h in old.history if h.get("step", 0) <= step]
         self.metrics["history"] = history

@@ -256,6 +256,31 @@ def test_a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path(tmp_path:
         checkpoint.resolve(str(newest), tmp_path)
 
 
+@pytest.mark.parametrize("damage", ["cut short", "deleted"])
+def test_a_resume_over_a_damaged_record_says_what_was_lost(tmp_path: Path, damage: str):
+    """metrics.json cut short (a crash mid-write, by hand) or gone, then resume=auto: the weights
+    resume from the checkpoint as usual, and the run says, in its output and its record, that the
+    history before the checkpoint is lost, instead of restarting it without a word."""
+    args = [*QUICK, "checkpoint.every_steps=4", "hydra.run.dir=run"]
+    assert run_here(tmp_path, *args, "trainer.max_steps=8").returncode == 0
+    record = tmp_path / "run" / "metrics.json"
+    if damage == "deleted":
+        record.unlink()
+    else:
+        record.write_text(record.read_text()[:100])
+    again = run_here(tmp_path, *args, "trainer.max_steps=12", "trainer.resume=auto")
+    assert again.returncode == 0, again
+    why = "was missing" if damage == "deleted" else "was unreadable (JSONDecodeError)"
+    said = again.stdout + again.stderr + (tmp_path / "run" / "ddpexp.log").read_text()
+    assert f"metrics.json {why} when the run resumed at step 8" in said, said
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "completed" and m["final"]["step"] == 12
+    assert (
+        m["lost"]
+        == f"metrics.json {why} when the run resumed at step 8: its history before that step is lost"
+    )
+
+
 def test_when_every_checkpoint_is_corrupt_resume_says_so_and_starts_a_fresh_history(tmp_path: Path):
     """resume=auto over checkpoints none of which loads: a warning, training from scratch, and the
     TensorBoard history of the earlier run dropped (not two runs mixed on one time line)."""
