@@ -30,8 +30,8 @@ _NUMBERS = ("lr", "weight_decay", "momentum", "eps", "gamma", "min_lr_ratio")
 def check(cfg: DictConfig) -> None:
     """Refuse what the optimizer would refuse, before anything starts: every number finite (torch lets
     an infinite learning rate through, and a NaN one would train a whole epoch on NaN), the LR
-    positive, then the optimizer built once on a stand-in parameter so that torch's own checks
-    (momentum, weight decay, betas, eps, Nesterov) speak here rather than in every worker."""
+    positive, then the optimizer's own checks (momentum, weight decay, betas, eps, Nesterov), so that
+    torch's refusal speaks here rather than in every worker."""
     numbers = {f"optim.{key}": cfg[key] for key in _NUMBERS} | {
         f"optim.betas[{i}]": beta for i, beta in enumerate(cfg.betas)
     }
@@ -45,9 +45,13 @@ def check(cfg: DictConfig) -> None:
     made = _spec(cfg, lr=cfg.lr)
     kwargs = {k: v for k, v in made.kwargs.items() if k != "fused"}  # fused: the device decides
     try:
-        made.cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        # No parameters: the optimizer checks its settings, then stops at the empty list before it adds
+        # a parameter group (which would import torch._dynamo, seconds of this command's start-up).
+        made.cls([], **kwargs)
     except ValueError as exc:
         said = str(exc)
+        if said == "optimizer got an empty parameter list":
+            return
         for word, setting, fix in _REFUSED_BY_TORCH:
             if word in said.lower():
                 raise UserError(f"{made.cls.__name__} refuses it: {said}", setting=setting, fix=fix) from exc
