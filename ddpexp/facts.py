@@ -3,7 +3,6 @@ arithmetic. The report groups and labels runs by these."""
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 from enum import Enum
 from pathlib import Path
@@ -44,7 +43,7 @@ def run_facts(
         "replicas": p.replicas,
         "devices": p.devices,
         "sync_bn": bool(cfg.strategy.get("sync_bn", False)),
-        "strategy_settings": strategy_settings(strategy),  # what the report labels variants by
+        "strategy_settings": strategy.changed_settings(),  # what the report labels variants by
         "strategy_columns": [c.to_dict() for c in strategy.report_columns],
         "global_batch_size": p.global_batch,
         "per_rank_batch_size": p.per_rank_batch * cfg.trainer.accumulate,
@@ -84,19 +83,6 @@ def run_facts(
         "host": platform.node(),
         "machine": host.machine_id(),  # shared by containers on one machine (the report's same-host checks)
     }
-
-
-def strategy_settings(strategy: strategies.Strategy[Any]) -> dict[str, Any]:
-    """The strategy's settings that differ from its schema's defaults (fsdp: reshard_after_forward
-    false; ddp: comm_hook bf16), as JSON values: two variants of one strategy tell apart by them."""
-    settings = strategy.settings
-    defaults = strategy.schema()
-    changed = {}
-    for field in dataclasses.fields(settings):
-        value = getattr(settings, field.name)
-        if field.name not in ("name", "module") and value != getattr(defaults, field.name):
-            changed[field.name] = value.value if isinstance(value, Enum) else value
-    return changed
 
 
 def _swept_value(job: Job, key: str) -> Any:

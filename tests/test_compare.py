@@ -259,9 +259,8 @@ def _strategy_preset(name: str) -> tuple[Any, list[list[str]], list[str]]:
 @pytest.mark.usefixtures("hydra_conf")
 def test_sharding_preset_runs_each_variant_on_the_same_resnet_and_batch_and_labels_them_apart():
     """Composition only: six jobs, one per strategy variant, ResNet-18 on CIFAR-shaped synthetic data
-    at one global batch; the settings each run records (facts.strategy_settings) give six labels."""
-    from ddpexp.facts import strategy_settings
-
+    at one global batch; the settings each run records (facts.strategy_settings, from
+    Strategy.changed_settings) give six labels."""
     comp, expanded, options = _strategy_preset("sharding")
     assert options == list(SHARDING)
     labels = set()
@@ -269,7 +268,7 @@ def test_sharding_preset_runs_each_variant_on_the_same_resnet_and_batch_and_labe
         cfg = comp(job)
         strategy, settings = SHARDING[option]
         assert cfg.strategy.name == strategy
-        assert strategy_settings(strategies.resolve(cfg.strategy)) == settings
+        assert strategies.resolve(cfg.strategy).changed_settings() == settings
         assert cfg.model._target_ == "ddpexp.models.resnet.resnet18" and not cfg.model.cifar_stem
         assert (cfg.data._target_, list(cfg.data.shape)) == ("ddpexp.data.synthetic.synthetic", [3, 32, 32])
         assert (cfg.trainer.batch_size, cfg.trainer.batch_per_rank, cfg.trainer.accumulate) == (64, None, 1)
@@ -300,7 +299,6 @@ ARCHITECTURES = {  # experiment=architectures' jobs: option -> (strategy, settin
 def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_and_labels_them_apart():
     """Composition only: eight jobs, one per strategy variant, the BatchNorm-free ConvNet on digits at
     one global batch on a CPU (ps: a server and two workers); eight distinct labels in the report."""
-    from ddpexp.facts import strategy_settings
     from ddpexp.plan import HostFacts
     from ddpexp.preflight import check_job
 
@@ -312,7 +310,7 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
         cfg = comp(job)
         strategy, settings, world = ARCHITECTURES[option]
         assert cfg.strategy.name == strategy
-        assert strategy_settings(strategies.resolve(cfg.strategy)) == settings
+        assert strategies.resolve(cfg.strategy).changed_settings() == settings
         assert cfg.model._target_ == "ddpexp.models.convnet.convnet" and cfg.model.batch_norm is False
         assert cfg.data._target_ == "ddpexp.data.digits.digits"
         plan = check_job(cfg, host, multirun=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -15,16 +14,10 @@ def _ms(seconds: float) -> str:
 
 def render(predictor: Predictor, points: Sequence[Point]) -> str:
     run, facts = predictor.run, predictor.run.facts
-    settings = predictor.strategy.settings
-    label = settings.name
-    defaults = type(settings)()
-    changed = {
-        f.name: getattr(settings, f.name)
-        for f in dataclasses.fields(settings)
-        if f.name not in ("name", "module") and getattr(settings, f.name) != getattr(defaults, f.name)
-    }
+    label = predictor.strategy.settings.name
+    changed = predictor.strategy.changed_settings()
     if changed:
-        label += " " + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in changed.items())
+        label += " " + " ".join(f"{k}={v}" for k, v in changed.items())
     gb = int(facts.get("global_batch_size") or 1)
     lines = [
         f"run: {run.path or '(facts)'}: {facts.get('strategy')} on {facts.get('devices')} "

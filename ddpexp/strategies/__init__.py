@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -165,6 +166,17 @@ class Strategy(ABC, Generic[C]):
                 fix=setting_hint(str(key)) if key else f"check the settings of strategy={cls.name}",
             ) from exc
         return settings  # type: ignore[return-value]
+
+    def changed_settings(self) -> dict[str, Any]:
+        """The settings that differ from the schema's defaults (fsdp: reshard_after_forward false; ddp:
+        comm_hook bf16), as JSON values: what tells two variants of one strategy apart."""
+        defaults = self.schema()
+        return {
+            f.name: value.value if isinstance(value, Enum) else value
+            for f in fields(self.settings)
+            if f.name not in ("name", "module")
+            and (value := getattr(self.settings, f.name)) != getattr(defaults, f.name)
+        }
 
     # ------------------------------------------------------------------------- launch arithmetic
 
