@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from . import composition, faults, optim
+from .config import OptimizerName
 from .context import FAULT_ENV
 from .errors import UserError
 from .launch import warmup
@@ -236,7 +237,9 @@ def check_job(
     faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, info))
     from .weights import check_initial, check_resume
 
-    check_resume(cfg.trainer.resume, model)
+    explicit = check_resume(cfg.trainer.resume, model)
+    if explicit is not None and cfg.trainer.mode.value == "train":
+        check_optimizer_state(*explicit, cfg)
     if cfg.trainer.resume == "auto" and not multirun and external is None and "hydra" in cfg and not joining:
         check_auto_resume(Path(cfg.hydra.run.dir), model, cfg, p.global_batch)
     check_initial(cfg.model, model)
@@ -382,13 +385,33 @@ def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig, global_batch: 
             f"with model.weights={path}",
         )
     t = cfg.trainer
+    if t.mode.value != "train":
+        return
     finished_epochs = int(state.get("epoch", 0)) >= t.epochs
     finished_steps = t.max_steps is not None and int(state.get("step", 0)) >= t.max_steps
-    if t.mode.value == "train" and (finished_epochs or finished_steps):
+    if finished_epochs or finished_steps:
         raise NothingToDo(
             f"{run_dir} is already complete (step {state.get('step')}, epoch {state.get('epoch')} of "
             f"{t.epochs}); nothing to resume. Raise trainer.epochs or trainer.max_steps to train further"
         )
+    check_optimizer_state(path, state, cfg)
+
+
+def check_optimizer_state(path: Path, state: dict[str, Any], cfg: DictConfig) -> None:
+    """Training on from a checkpoint loads its optimizer state into the configured optimizer, which
+    torch accepts from any optimizer: SGD's momentum buffers and hyperparameters then reach AdamW,
+    whose first step fails for want of its step count and moments, after the run was reopened."""
+    if "optimizer" not in state:  # bare weights: training starts a fresh optimizer
+        return
+    saved = (state.get("config") or {}).get("optim", {}).get("name")
+    wanted = OptimizerName(cfg.optim.name).value
+    if saved is None or saved == wanted:
+        return
+    raise UserError(
+        f"{path.name} holds the optimizer state of {saved}, which optim={wanted} cannot continue from",
+        setting="optim",
+        fix=f"resume with optim={saved}, or start a new run from its weights with model.weights={path}",
+    )
 
 
 def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:

@@ -118,12 +118,15 @@ def read(path: str | Path, *, setting: str, fix: str) -> dict[str, torch.Tensor]
 # ------------------------------------------------------------------------------------ trainer.resume
 
 
-def check_resume(resume: str | None, model: nn.Module) -> None:
-    """Pre-flight: an explicit checkpoint path must exist, load, and fit the configured model."""
-    if resume and resume != "auto":
-        found = checkpoint.resolve(resume, Path("."))
-        assert found is not None
-        fit(found[1]["model"], model, source=found[0], setting="trainer.resume")
+def check_resume(resume: str | None, model: nn.Module) -> tuple[Path, dict[str, Any]] | None:
+    """Pre-flight: an explicit checkpoint path must exist, load, and fit the configured model; what it
+    loaded, for the caller's further checks (None for no path)."""
+    if not resume or resume == "auto":
+        return None
+    found = checkpoint.resolve(resume, Path("."))
+    assert found is not None
+    fit(found[1]["model"], model, source=found[0], setting="trainer.resume")
+    return found
 
 
 # ------------------------------------------------------------------------------------- model.weights

@@ -329,6 +329,31 @@ def test_resuming_at_another_global_batch_is_refused_and_changes_nothing(tmp_pat
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
 
 
+def test_resuming_with_another_optimizer_is_refused_and_changes_nothing(tmp_path: Path):
+    """A completed SGD run resumed to train further with AdamW: its saved optimizer state cannot drive
+    AdamW (no `step`, no moments), so pre-flight refuses it, naming both, and the run keeps every byte,
+    `completed` included. The same checkpoint given as a path is refused alike."""
+    first = run_here(tmp_path, *QUICK, "trainer.max_steps=4", "checkpoint.every_steps=2", "hydra.run.dir=run")
+    assert first.returncode == 0, first
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    for resume in ("auto", str(tmp_path / "run" / "checkpoints" / "last.pt")):
+        again = run_here(
+            tmp_path,
+            *QUICK,
+            "optim=adamw",
+            "trainer.max_steps=8",
+            f"trainer.resume={resume}",
+            "hydra.run.dir=run" if resume == "auto" else "hydra.run.dir=other",
+        )
+        assert again.returncode == 2, again
+        (line,) = again.stderr.strip().splitlines()
+        assert line.startswith("ddpexp: error: optim: ") and "sgd" in line and "adamw" in line, line
+        assert "optim=sgd" in line and "model.weights=" in line, line
+        assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+        assert not (tmp_path / "other").exists()
+    assert metrics(tmp_path / "run")["status"] == "completed"
+
+
 @pytest.mark.multiproc
 def test_less_common_settings_take_effect(tmp_path: Path):
     """eval_every_steps adds mid-epoch evaluations, measure_comm=false drops the comm tags, best.pt
