@@ -5,6 +5,7 @@ A checkpoint is a plain dictionary of tensors and containers, loadable with
 `torch.load(path, weights_only=True)`:
 
     format, step, epoch, step_in_epoch, world_size, accumulate   where training stands
+    epoch_loss   mid-epoch, the epoch's loss sum and count so far, over every rank
     model        state_dict of the unwrapped model (loads into a plain model, any strategy)
     optimizer, scheduler, scaler                                  optimizer/LR schedule/GradScaler state
     rng          one entry per rank: torch (CPU and CUDA), numpy and python random states

@@ -146,6 +146,10 @@ class Engine:
         # per step cost ~1% of a small MLP's step) and folded into these sums every few dozen steps.
         self._pending: list[torch.Tensor] = []
         self._epoch_loss = torch.zeros((), device=device)  # summed over this epoch
+        self._epoch_scored = 0  # losses in that sum
+        # The whole world's loss sum and count of the epoch a checkpoint was saved in the middle of,
+        # before the save: the resumed epoch adds them to its own, so it averages all its steps.
+        self._epoch_before_resume = (0.0, 0.0)
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
         self._params = [p for p in model.base.parameters() if p.requires_grad]
@@ -203,6 +207,9 @@ class Engine:
         acc = self.settings.accumulate
         self.train_loader.set_epoch(epoch, start=self.pos.step_in_epoch * acc)
         self._epoch_loss.zero_()  # the previous epoch folded everything it gathered before returning
+        self._epoch_scored = 0
+        if self.pos.step_in_epoch == 0:  # a new epoch; else one resumed midway keeps what came before
+            self._epoch_before_resume = (0.0, 0.0)
         steps_per_epoch = self.steps_per_epoch
         remaining = (steps_per_epoch - self.pos.step_in_epoch) * acc
         batches = self.recorder.progress(
@@ -215,7 +222,7 @@ class Engine:
         log_every, eval_every = self.settings.log_every_steps, self.settings.eval_every_steps
         ckpt_every, on_step, pending = self.settings.checkpoint_every_steps, self.on_step, self._pending
         beat, stop_signal = self.heartbeat.beat, self.heartbeat.stop_signal
-        micro = steps = scored = 0
+        micro = steps = 0
         wait = 0.0
         start = time.perf_counter()
         it = iter(batches)
@@ -234,7 +241,7 @@ class Engine:
             beat(self.pos.step)
             if loss is not None:  # None: this rank computes no loss (a pipeline's first stage)
                 pending.append(loss)
-                scored += 1
+                self._epoch_scored += 1
             if not last_micro:
                 continue
             self.optimizer_step()
@@ -260,11 +267,7 @@ class Engine:
             if self._done() or self.pos.step_in_epoch >= steps_per_epoch:
                 break
         # One reduction per epoch; reading it is the epoch's only host sync, so timing after it is honest.
-        self._fold()
-        totals = distributed.all_reduce_sum(
-            torch.stack([self._epoch_loss, torch.tensor(float(scored), device=self.device)])
-        )
-        loss_sum, micro_count = totals.tolist()
+        loss_sum, micro_count = self._epoch_totals()
         elapsed = time.perf_counter() - start
         if steps and self.pos.step % log_every:  # the log window ends with the epoch, never spans two
             self._log_train()
@@ -292,6 +295,15 @@ class Engine:
             raise TrainingDiverged(message)
         self._nonfinite_seen = True
         log.warning("%s", message)
+
+    def _epoch_totals(self) -> tuple[float, float]:
+        """The loss sum and count of the epoch so far, over every rank and across a resume (a
+        collective: every rank calls it)."""
+        self._fold()
+        local = torch.stack([self._epoch_loss, torch.tensor(float(self._epoch_scored), device=self.device)])
+        loss_sum, count = distributed.all_reduce_sum(local).tolist()
+        before_sum, before_count = self._epoch_before_resume
+        return loss_sum + before_sum, count + before_count
 
     def _fold(self) -> None:
         """Add the losses gathered since the last fold to the epoch's and the log window's sums."""
@@ -342,11 +354,15 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs of the loop itself, besides the model and optimizer: where training
-        stands, the layout it stood in (accumulate, global batch), the LR schedule and the loss scaler."""
+        stands, the layout it stood in (accumulate, global batch), the LR schedule, the loss scaler and,
+        mid-epoch, the epoch's loss so far. A collective (the loss is summed over ranks): every rank
+        calls it."""
+        loss_sum, count = self._epoch_totals() if self.pos.step_in_epoch else (0.0, 0.0)
         return {
             "step": self.pos.step,
             "epoch": self.pos.epoch,
             "step_in_epoch": self.pos.step_in_epoch,
+            "epoch_loss": {"sum": loss_sum, "count": count},
             "accumulate": self.settings.accumulate,
             "global_batch": self.settings.global_batch,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
@@ -360,6 +376,9 @@ class Engine:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.pos = Position(epoch=state["epoch"], step=state["step"], step_in_epoch=state["step_in_epoch"])
+        # Absent from checkpoints older than it: the epoch's loss then averages its steps after the resume.
+        before = state.get("epoch_loss", {"sum": 0.0, "count": 0.0})
+        self._epoch_before_resume = (float(before["sum"]), float(before["count"]))
 
     def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor | None:
         """One micro-batch: forward under autocast, backward of loss/accumulate. Gradient

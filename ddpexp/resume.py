@@ -85,10 +85,11 @@ class CheckpointKeeper:
         model = self.strategy.model_state(e.model)  # on every rank: sharded strategies gather here
         optimizer = self.strategy.optimizer_state(e.model, e.optimizer)
         rngs = distributed.gather_objects(checkpoint.rng_state())
+        loop = e.state_dict()  # on every rank too: the epoch's loss so far is summed over ranks
         if self.checkpointer is not None:
             state = {
                 "format": checkpoint.FORMAT,
-                **e.state_dict(),  # position, accumulate, global batch, schedule, loss scaler
+                **loop,  # position, accumulate, global batch, schedule, loss scaler, epoch loss so far
                 "world_size": self.ctx.world_size,
                 "data_parallel": self.ctx.plan.data_parallel,  # the shards the sample order is cut into
                 "model": model,

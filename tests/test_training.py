@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,44 @@ def test_resume_mid_epoch_gives_bitwise_the_uninterrupted_run(resumed):
     assert m["final"]["eval/acc"] == metrics(whole)["final"]["eval/acc"]
     steps = [h["step"] for h in m["history"]]
     assert steps == sorted(steps)
+
+
+@pytest.mark.multiproc
+def test_an_epoch_resumed_midway_records_the_loss_of_all_its_steps(
+    tmp_path: Path, uninterrupted, monkeypatch
+):
+    """A ddp run fails at step 45 and resumes from its step-40 checkpoint, mid-epoch 2: epoch 2's
+    train/epoch_loss still averages all 32 of its steps over both ranks, in metrics.json and in
+    TensorBoard, so the recorded history is the uninterrupted run's. A checkpoint saved before it
+    held that loss still resumes (to the same weights)."""
+    args = ["strategy=ddp", *RESUME, "trainer.max_steps=70", "hydra.run.dir=run"]
+    monkeypatch.setenv("DDPEXP_FAULT", "rank1:step45:raise")
+    first = run_here(tmp_path, *args)
+    assert first.returncode == 1, first
+    monkeypatch.delenv("DDPEXP_FAULT")
+    shutil.copytree(tmp_path / "run", tmp_path / "older")
+    for path in (tmp_path / "older" / "checkpoints").glob("step-*.pt"):
+        saved = torch.load(path, weights_only=True)
+        assert saved["epoch_loss"]["count"] > 0 or saved["step_in_epoch"] == 0
+        del saved["epoch_loss"]
+        torch.save(saved, path)
+    older = run_here(tmp_path, *args[:-1], "hydra.run.dir=older", "trainer.resume=auto")
+    assert older.returncode == 0, older
+    assert same_weights(tmp_path / "older", uninterrupted("ddp"))
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert "step-00000040.pt" in again.stdout + again.stderr + (tmp_path / "run" / "ddpexp.log").read_text()
+    whole, run = uninterrupted("ddp"), tmp_path / "run"
+
+    def recorded(run_dir: Path) -> list[tuple[int, int, float]]:
+        return [(h["epoch"], h["step"], h["train/epoch_loss"]) for h in metrics(run_dir)["history"]]
+
+    got, want = recorded(run), recorded(whole)
+    assert [g[:2] for g in got] == [w[:2] for w in want] == [(1, 32), (2, 64), (3, 70)]
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want], rel=1e-6, abs=0)
+    got_tb, want_tb = scalars(run)["train/epoch_loss"], scalars(whole)["train/epoch_loss"]
+    assert [s for s, _ in got_tb] == [s for s, _ in want_tb]
+    assert [v for _, v in got_tb] == pytest.approx([v for _, v in want_tb], rel=1e-6, abs=0)
 
 
 @pytest.mark.multiproc
