@@ -83,6 +83,8 @@ def _run(overrides: list[str], *, multirun: bool, config_dir: str | None) -> lis
 def _log_outcome(outcome: Any) -> None:
     if outcome.error:
         log.error("ddpexp: error: %s", outcome.error)
+    if outcome.note:
+        log.info("ddpexp: %s", outcome.note)
     log.info(
         "run dir: %s%s",
         outcome.run_dir,

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
 def _print_outcome(outcome: Any) -> None:
     if outcome.error:
         print(f"ddpexp: error: {outcome.error}", file=sys.stderr)
+    if outcome.note:
+        print(f"ddpexp: {outcome.note}")
     code = "" if outcome.exit_code == 0 else f"  (exit code {outcome.exit_code})"
     print(f"run dir: {outcome.run_dir}{code}", flush=True)
 

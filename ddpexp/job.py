@@ -97,3 +97,4 @@ class Outcome:
     run_dir: Path
     exit_code: int
     error: str | None = None  # a refused job's one-line reason (the launcher reports run failures itself)
+    note: str | None = None  # a job with nothing to do: why (trainer.resume=auto of a completed run)

@@ -66,7 +66,8 @@ def preflight(
             cfg = compose(job_overrides)
             first = first if first is not None else cfg
             host = composition.remote_host(cfg) or local
-            p = check_job(cfg, host, external=external, multirun=multirun)
+            run_dir = Path(str(cfg.hydra.run.dir)) if not multirun and "hydra" in cfg else None
+            p = check_job(cfg, host, external=external, multirun=multirun, run_dir=run_dir)
             if p.launcher == "spawn" and host is local:
                 spawns.append(cfg.dist.start_method)
             in_process |= p.launcher == "inprocess" and host is local
@@ -213,8 +214,12 @@ def check_job(
     *,
     external: ExternalWorld | None = None,
     multirun: bool = False,
-    run_dir_checked: bool = False,
+    run_dir: Path | None = None,
 ) -> Plan:
+    """One job, as pre-flight checks it in the parent and the runner again where the job starts.
+    `run_dir`: the job's directory, to check that it holds no other run (with trainer.resume=auto,
+    that this job can continue the one it holds); None where it is not this call's to check (a sweep's
+    job directory is known only once the job starts, and is checked there, after it is claimed)."""
     p = plan(cfg, host, external)
     if not multirun:
         check_single_job(cfg, p)
@@ -223,8 +228,11 @@ def check_job(
             "a sweep cannot span machines", setting="dist.nnodes", fix="run one job per command on each node"
         )
     joining = cfg.dist.node_rank > 0  # node 0's ports, rendezvous file and run dir: not this machine's
+    if joining:
+        run_dir = None
+    setting = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     if cfg.get("commbench") is not None:  # the collective benchmark: no data, model or optimizer to check
-        return check_benchmark(cfg, p, joining=joining, run_dir=not (multirun or run_dir_checked or joining))
+        return check_benchmark(cfg, p, joining=joining, run_dir=run_dir, setting=setting)
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
@@ -240,11 +248,11 @@ def check_job(
     explicit = check_resume(cfg.trainer.resume, model)
     if explicit is not None and cfg.trainer.mode.value == "train":
         check_optimizer_state(*explicit, cfg)
-    if cfg.trainer.resume == "auto" and not multirun and external is None and "hydra" in cfg and not joining:
-        check_auto_resume(Path(cfg.hydra.run.dir), model, cfg, p.global_batch)
+    if run_dir is not None and cfg.trainer.resume == "auto" and external is None:
+        check_auto_resume(run_dir, model, cfg, p.global_batch)
     check_initial(cfg.model, model)
-    if not multirun and not run_dir_checked and "hydra" in cfg and not cfg.trainer.resume and not joining:
-        check_run_dir(Path(cfg.hydra.run.dir))
+    if run_dir is not None and not cfg.trainer.resume:
+        check_run_dir(run_dir, setting=setting)
     return p
 
 
@@ -258,19 +266,18 @@ def check_launch(cfg: DictConfig, p: Plan, *, joining: bool) -> None:
             check_init_file(cfg)
 
 
-def check_benchmark(cfg: DictConfig, p: Plan, *, joining: bool, run_dir: bool) -> Plan:
+def check_benchmark(cfg: DictConfig, p: Plan, *, joining: bool, run_dir: Path | None, setting: str) -> Plan:
     """A collective benchmark's job (python -m ddpexp.commbench): its settings, the launch, and a run
-    directory that holds no earlier benchmark (`run_dir`: check it)."""
+    directory that holds no earlier benchmark (`run_dir`, named by `setting`: None, not checked)."""
     from .commbench import JSON_FILE, settings
 
     settings.check(cfg.commbench, p)
     check_launch(cfg, p, joining=joining)
-    if run_dir and "hydra" in cfg and (Path(cfg.hydra.run.dir) / JSON_FILE).exists():
+    if run_dir is not None and (run_dir / JSON_FILE).exists():
         raise UserError(
-            f"{cfg.hydra.run.dir} already holds a benchmark's results; running another there would "
-            "overwrite them",
-            setting="hydra.run.dir",
-            fix="choose a new hydra.run.dir",
+            f"{run_dir} already holds a benchmark's results; running another there would overwrite them",
+            setting=setting,
+            fix=f"choose a new {setting}",
         )
     return p
 
@@ -489,12 +496,12 @@ def check_init_file(cfg: DictConfig) -> None:
         ) from exc
 
 
-def check_run_dir(run_dir: Path) -> None:
+def check_run_dir(run_dir: Path, *, setting: str = "hydra.run.dir") -> None:
     if (run_dir / METRICS_FILE).exists():
         raise UserError(
             f"{run_dir} already holds a run; starting another there would mix their results",
-            setting="hydra.run.dir",
-            fix="choose a new hydra.run.dir, or add trainer.resume=auto to continue that run",
+            setting=setting,
+            fix=f"choose a new {setting}, or add trainer.resume=auto to continue that run",
         )
 
 

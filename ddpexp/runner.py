@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from . import composition, fsutil, host
-from .errors import UserError
+from .errors import NothingToDo, UserError
 from .job import Outcome
 from .launch import warmup
 from .plan import ExternalWorld
@@ -145,9 +145,9 @@ def _logging_restored() -> Iterator[None]:
 
 
 def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sweep: bool = False) -> Outcome:
-    """One job: check it again on the machine it runs on, record it, launch it."""
+    """One job: check it again on the machine it runs on, record it, launch it. A sweep's job first
+    claims its own directory (a plain run's was claimed with the command's) and checks what it holds."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     from . import launch
     from .job import Job
@@ -165,11 +165,14 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
     on_signal = cfg.trainer.checkpoint_on_signal
     if on_signal is None:
         on_signal = external is None and any(k in os.environ for k in SCHEDULER_ENV)
+    claim = None
     try:
+        if sweep:  # another run may have taken this directory since the sweep began
+            claim = claim_output(run_dir, setting="hydra.sweep.dir")
         if on_signal:
             resume_if_preempted(cfg, run_dir)
-        multirun = hc.mode == RunMode.MULTIRUN
-        plan = check_job(cfg, HostFacts.probe(), external=external, multirun=multirun, run_dir_checked=True)
+        checked_dir = run_dir if sweep else None  # a plain run's: checked by pre-flight, then claimed
+        plan = check_job(cfg, HostFacts.probe(), external=external, multirun=sweep, run_dir=checked_dir)
         job = Job(
             cfg=cfg,
             plan=plan,
@@ -191,10 +194,15 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
         if requeue is not None and code in STOP_CODES and _status(run_dir) == "preempted":
             requeue()  # submitit requeues this job (the same overrides, so the same run dir) and exits
         return Outcome(run_dir=run_dir, exit_code=code)
+    except NothingToDo as done:  # a sweep's job that trainer.resume=auto finds complete
+        return Outcome(run_dir=run_dir, exit_code=0, note=str(done))
     except UserError as exc:
         if external is not None:
             torchrun.publish_error(exc)
         return Outcome(run_dir=run_dir, exit_code=UserError.exit_code, error=str(exc))
+    finally:
+        if claim is not None:
+            claim.release()
 
 
 def _varies(hc: Any) -> tuple[str, ...]:

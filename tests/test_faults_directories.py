@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ddpexp import runner
+from ddpexp import fsutil, runner
 
 from .conftest import QUICK, metrics, run_ddpexp, run_here, same_weights
 from .fault_harness import (
@@ -183,3 +183,103 @@ def test_a_stale_rendezvous_file_in_the_run_dir_does_not_block_resume(tmp_path: 
     assert again.returncode == 0, again
     assert metrics(tmp_path / "run")["final"]["step"] == 4
     assert not (tmp_path / "run" / "rendezvous").exists()
+
+
+def _results(directory: Path) -> dict[str, bytes]:
+    """What a run writes (config.yaml, plan.json, metrics.json, model.pt, checkpoints, TensorBoard
+    events, logs), without the claim's lock file (it names whoever holds or last held the directory)
+    and Hydra's own record of a job (.hydra/), which Hydra writes before any code of the job runs."""
+    files = _snapshot(directory).items()
+    return {k: v for k, v in files if not k.startswith(".hydra/") and k != fsutil.CLAIM_FILE}
+
+
+def test_a_sweep_job_whose_directory_another_run_took_is_refused_and_the_sweep_says_so(
+    tmp_path: Path, monkeypatch
+):
+    """While a sweep runs, a plain run takes the directory of its next job and completes there, and
+    another ddpexp run holds the directory of the job after that. Each of those two jobs is refused
+    (one line naming the directory, exit 2), the other run's results keep every byte, the sweep's own
+    job runs, and the sweep ends with exit 2."""
+    sweep = tmp_path / "sweep"
+    plain_dir, held_dir = sweep / "seed=1", sweep / "seed=2"
+    holder = subprocess.Popen(  # another ddpexp run holding the claim, as a running launcher does
+        [sys.executable, "-c", f"import pathlib; from ddpexp import fsutil;"
+         f"c = fsutil.claim(pathlib.Path({str(held_dir)!r})); print(1); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    run_job = runner.run_job
+    taken: dict[str, bytes] = {}
+
+    def run_job_then_take_the_next(*args, **kwargs):
+        outcome = run_job(*args, **kwargs)
+        if not taken:  # between the sweep's first job and its second
+            plain = run_ddpexp(tmp_path, *QUICK, "trainer.max_steps=2", 'hydra.run.dir="sweep/seed=1"')
+            assert plain.returncode == 0, plain
+            taken.update(_results(plain_dir))
+        return outcome
+
+    monkeypatch.setattr(runner, "run_job", run_job_then_take_the_next)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "1"
+        result = run_here(
+            tmp_path, "-m", *QUICK, "trainer.max_steps=2", "seed=0,1,2", f"hydra.sweep.dir={sweep}"
+        )
+        # Hydra opens the job's ddpexp.log before any code of the job runs; nothing is written to it.
+        assert _results(held_dir) == {"ddpexp.log": b""}
+        assert (held_dir / fsutil.CLAIM_FILE).read_text() == f"{holder.pid}\n"
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert result.returncode == 2, result
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ddpexp: error:")]
+    assert errors == [
+        f"ddpexp: error: hydra.sweep.dir: {plain_dir} already holds a run; starting another there would mix "
+        "their results (fix: choose a new hydra.sweep.dir, or add trainer.resume=auto to continue that run)",
+        f"ddpexp: error: hydra.sweep.dir: {held_dir} is in use by another ddpexp run (pid {holder.pid}); two "
+        "runs in one directory mix their results (fix: wait for that run to end, or choose another "
+        "hydra.sweep.dir)",
+    ], result.stderr
+    assert f"run dir: {plain_dir}  (exit code 2)" in result.stdout, result
+    assert f"run dir: {held_dir}  (exit code 2)" in result.stdout, result
+    assert _results(plain_dir) == taken
+    assert metrics(plain_dir)["status"] == "completed"
+    assert metrics(sweep / "seed=0")["status"] == "completed"
+
+
+def test_a_resumed_sweep_says_its_completed_jobs_are_complete_and_resumes_the_others(
+    tmp_path: Path, monkeypatch
+):
+    """A sweep whose second job failed at step 3 (its newest checkpoint: step 2), run again with
+    trainer.resume=auto: the completed job is reported already complete, as a plain run is, and left
+    as it was (attempts 1); the failed one resumes and completes (attempts 2); exit 0."""
+    args = [
+        "-m",
+        *QUICK,
+        "trainer.max_steps=4",
+        "checkpoint.every_steps=2",
+        "seed=0,1",
+        "hydra.sweep.dir=sweep",
+    ]
+    run_job = runner.run_job
+    jobs = []
+
+    def second_job_fails_at_step_3(*a, **kw):
+        jobs.append(1)
+        if len(jobs) == 2:
+            monkeypatch.setenv("DDPEXP_FAULT", "rank0:step3:raise")
+        return run_job(*a, **kw)
+
+    monkeypatch.setattr(runner, "run_job", second_job_fails_at_step_3)
+    first = run_here(tmp_path, *args)
+    assert first.returncode == 1, first
+    monkeypatch.undo()
+    done, failed = tmp_path / "sweep" / "seed=0", tmp_path / "sweep" / "seed=1"
+    assert metrics(failed)["status"] == "failed"
+    before = _results(done)
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0, again
+    assert f"ddpexp: {done} is already complete (step 4" in again.stdout, again
+    assert f"run dir: {done}\n" in again.stdout and f"run dir: {failed}\n" in again.stdout, again
+    assert _results(done) == before
+    m = metrics(failed)
+    assert m["status"] == "completed" and m["attempts"] == 2 and m["final"]["step"] == 4, m
