@@ -15,7 +15,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from . import composition, faults, optim
-from .config import OptimizerName
 from .context import FAULT_ENV
 from .errors import UserError
 from .launch import warmup
@@ -407,18 +406,35 @@ def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig, global_batch: 
 def check_optimizer_state(path: Path, state: dict[str, Any], cfg: DictConfig) -> None:
     """Training on from a checkpoint loads its optimizer state into the configured optimizer, which
     torch accepts from any optimizer: SGD's momentum buffers and hyperparameters then reach AdamW,
-    whose first step fails for want of its step count and moments, after the run was reopened."""
+    whose first step fails for want of its step count and moments, after the run was reopened. The
+    same optimizer continues with the saved hyperparameters and schedule (they are part of its state),
+    so a changed one would be ignored without a word: refused too."""
     if "optimizer" not in state:  # bare weights: training starts a fresh optimizer
         return
-    saved = (state.get("config") or {}).get("optim", {}).get("name")
-    wanted = OptimizerName(cfg.optim.name).value
-    if saved is None or saved == wanted:
-        return
-    raise UserError(
-        f"{path.name} holds the optimizer state of {saved}, which optim={wanted} cannot continue from",
-        setting="optim",
-        fix=f"resume with optim={saved}, or start a new run from its weights with model.weights={path}",
-    )
+    saved = (state.get("config") or {}).get("optim") or {}
+    wanted = OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True)
+    assert isinstance(wanted, dict)
+    if saved.get("name") not in (None, wanted["name"]):
+        raise UserError(
+            f"{path.name} holds the optimizer state of {saved['name']}, which optim={wanted['name']} "
+            "cannot continue from",
+            setting="optim",
+            fix=f"resume with optim={saved['name']}, or start a new run from its weights with "
+            f"model.weights={path}",
+        )
+    changed = [k for k in wanted if k not in UNSAVED_OPTIM and k in saved and saved[k] != wanted[k]]
+    if changed:
+        was = " ".join(f"optim.{k}={saved[k]}" for k in changed)
+        now = ", ".join(f"optim.{k}={wanted[k]}" for k in changed)
+        raise UserError(
+            f"{path.name} continues with {was}, its optimizer's saved settings, not {now}",
+            setting="optim",
+            fix=f"resume with {was}, or start a new run from its weights with model.weights={path}",
+        )
+
+
+# Optimizer settings a resume may change: how the update is computed, not what it is.
+UNSAVED_OPTIM = frozenset({"name", "fused"})
 
 
 def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:

@@ -390,6 +390,14 @@ def test_resuming_with_another_optimizer_is_refused_and_changes_nothing(tmp_path
         assert "optim=sgd" in line and "model.weights=" in line, line
         assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
         assert not (tmp_path / "other").exists()
+    # The same optimizer with another learning rate would continue with the saved one, silently.
+    again = run_here(
+        tmp_path, *QUICK, "optim.lr=0.5", "trainer.max_steps=8", "trainer.resume=auto", "hydra.run.dir=run"
+    )
+    assert again.returncode == 2, again
+    (line,) = again.stderr.strip().splitlines()
+    assert "optim.lr=0.5" in line and "fix: resume with optim.lr=" in line, line
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
     assert metrics(tmp_path / "run")["status"] == "completed"
 
 
