@@ -277,6 +277,47 @@ def test_a_stale_rendezvous_file_is_refused(tmp_path: Path, tmp_path_factory, mo
     assert "dist.init_file" in line and "already exists" in line and stale.exists()
 
 
+IMAGES = ["data=image_folder", "data.image_size=32", "model=mlp", "trainer.batch_size=4"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("empty class", ["flower1", "no images", ".png", "remove the folder"]),
+        ("zero bytes", ["flower2/img3.png", "is empty", "replace or delete"]),
+    ],
+)
+def test_an_image_folder_with_an_empty_class_or_image_is_refused_naming_it(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys, damage: str, words: list[str]
+):
+    from .fake_data import write_image_folder
+
+    root = write_image_folder(tmp_path_factory.mktemp("data"), per_class=4)
+    if damage == "empty class":
+        for image in (root / "flower1").iterdir():
+            image.unlink()
+    else:
+        (root / "flower2" / "img3.png").write_bytes(b"")
+    line = refuse(tmp_path, monkeypatch, capsys, *IMAGES, f"data.root={root}")
+    assert "data.root" in line and all(word in line for word in words), line
+
+
+def test_an_image_that_does_not_decode_is_named_with_the_fix(tmp_path: Path):
+    """A cut-off PNG opens (its header is whole) but does not decode: only reading it finds that, in
+    the run, which then stops with one line naming the file."""
+    from .conftest import run_here
+    from .fake_data import write_image_folder
+
+    root = write_image_folder(tmp_path / "data", per_class=4)
+    broken = root / "flower0" / "img2.png"
+    broken.write_bytes(broken.read_bytes()[:200])
+    result = run_here(tmp_path, *IMAGES, f"data.root={root}", "trainer.max_steps=1", "hydra.run.dir=run")
+    assert result.returncode == 2, result
+    said = result.stdout + result.stderr
+    assert f"data.root: {broken}: does not decode as an image" in said, result
+    assert "replace or delete" in said and "Traceback" not in said, result
+
+
 @pytest.mark.parametrize(
     ("damage", "words"),
     [
