@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,10 @@ from .launch import warmup
 from .plan import ExternalWorld, HostFacts, Plan
 from .runrecord import METRICS_FILE
 from .validate import check_split_sizes, plan
+
+# A floor, not an estimate: below it even Hydra's few config files may not fit (a full disk then
+# fails halfway through making the run dir).
+MIN_FREE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,14 @@ def check_output_dir(directory: Path, *, setting: str) -> None:
             f"{existing} is not writable, so {directory} cannot be made or written there",
             setting=setting,
             fix=f"choose a {setting} you can write to (e.g. under the current directory)",
+        )
+    free = shutil.disk_usage(existing).free
+    if free < MIN_FREE_BYTES:
+        raise UserError(
+            f"the disk of {existing} has {free // 1024} KiB free, too little for a run's config, logs, "
+            "metrics and checkpoints",
+            setting=setting,
+            fix=f"free space on that disk, or choose a {setting} on another",
         )
 
 

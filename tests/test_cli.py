@@ -415,6 +415,41 @@ def test_an_os_error_making_the_run_dir_is_one_line_naming_it(tmp_path: Path, mo
     assert "hydra.run.dir" in line and "out/run" in line and os.strerror(number) in line, line
 
 
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_disk_with_a_few_kb_free_is_refused_before_anything_is_made(
+    tmp_path: Path, monkeypatch, capsys, multirun: bool
+):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=12 * 1024))
+    setting = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    line = refuse(tmp_path, monkeypatch, capsys, *(["-m"] if multirun else []), f"{setting}=out/run")
+    assert setting in line and "12 KiB free" in line and "free space" in line, line
+
+
+def test_a_disk_that_fills_as_hydra_writes_its_files_leaves_nothing(tmp_path: Path, monkeypatch, capsys):
+    """The disk fills between pre-flight and Hydra's first write (.hydra/config.yaml): one line, and
+    the directories this command made are gone, from the command line and from ddpexp.run."""
+    import errno
+    import os
+
+    import hydra.core.utils
+
+    import ddpexp
+    from ddpexp.errors import UserError
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(hydra.core.utils, "_save_config", full)
+    line = refuse(tmp_path, monkeypatch, capsys, "hydra.run.dir=out/run")
+    assert "hydra.run.dir" in line and "out/run" in line and os.strerror(errno.ENOSPC) in line, line
+    with pytest.raises(UserError, match="No space left on device"):
+        ddpexp.run(["hydra.run.dir=out/run"])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_dir_below_a_file_is_refused(tmp_path: Path, tmp_path_factory, monkeypatch, capsys):
     a_file = tmp_path_factory.mktemp("elsewhere") / "notes.txt"
     a_file.write_text("")
