@@ -270,6 +270,28 @@ def test_a_run_never_reuses_a_directory_that_holds_results(tmp_path, tmp_path_fa
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.json"]
 
 
+@pytest.mark.parametrize(
+    ("available_mib", "args", "words"),
+    [
+        (300, ["dist.nprocs=4", "trainer.max_steps=1"], ["4 worker processes", "300 MiB", "dist.nprocs<=2"]),
+        (
+            8192,
+            ["dist.nprocs=1000", "trainer.batch_size=1000", "dist.oversubscribe=true"],
+            ["1000 worker processes", "8192 MiB", "dist.nprocs<="],
+        ),
+    ],
+)
+def test_more_workers_than_memory_holds_are_refused_with_the_numbers(
+    tmp_path: Path, monkeypatch, capsys, available_mib: int, args: list[str], words: list[str]
+):
+    """dist.oversubscribe waives the cores check only: workers that cannot fit in the memory available
+    (each at least a worker's own baseline plus the model) are refused before one starts."""
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=available_mib << 20))
+    line = refuse(tmp_path, monkeypatch, capsys, "strategy=ddp", *args)
+    assert "dist.nprocs" in line and all(word in line for word in words), line
+
+
 def test_a_stale_rendezvous_file_is_refused(tmp_path: Path, tmp_path_factory, monkeypatch, capsys):
     stale = tmp_path_factory.mktemp("shared") / "rdzv"
     stale.write_text("")
