@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from ddpexp import load_model, models
+from ddpexp import checkpoint, load_model, models
 from ddpexp.data import DataInfo
 from ddpexp.data.external import External
 from ddpexp.errors import UserError
@@ -195,6 +195,7 @@ def test_what_a_builder_returns_is_checked_with_one_line(made: object, message: 
 
 # tests/user_models.py's Tied: one weight in two of its stages() blocks, on the parity experiment.
 TIED = [*PARITY, "model=mlp", "~model.hidden", "model._target_=tests.user_models.tied"]
+TIED += ["checkpoint.every_steps=5"]
 
 
 @pytest.fixture(scope="session")
@@ -220,5 +221,8 @@ def test_a_model_with_tied_weights_trains_like_single(strategy: str, tied_single
     assert_close_weights(tmp_path / "run", tied_single)
     model = load_model(tmp_path / "run")
     assert model.again[0].weight is model.middle[0].weight
+    newest = checkpoint.newest_valid(tmp_path / "run")  # what a resume under single would load
+    saved = torch.load(tied_single / "model.pt", weights_only=True)
+    assert newest is not None and newest[1]["model"].keys() == saved.keys()
     ours, theirs = metrics(tmp_path / "run")["final"], metrics(tied_single)["final"]
     assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-5)
