@@ -324,19 +324,21 @@ def test_an_image_folder_with_an_empty_class_or_image_is_refused_naming_it(
     assert "data.root" in line and all(word in line for word in words), line
 
 
-def test_an_image_that_does_not_decode_is_named_with_the_fix(tmp_path: Path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_image_that_does_not_decode_is_named_with_the_fix(tmp_path: Path, workers: int):
     """A cut-off PNG opens (its header is whole) but does not decode: only reading it finds that, in
-    the run, which then stops with one line naming the file."""
+    the run, which then stops with one line naming the file (read in DataLoader workers too)."""
     from .conftest import run_here
     from .fake_data import write_image_folder
 
     root = write_image_folder(tmp_path / "data", per_class=4)
     broken = root / "flower0" / "img2.png"
     broken.write_bytes(broken.read_bytes()[:200])
-    result = run_here(tmp_path, *IMAGES, f"data.root={root}", "trainer.max_steps=1", "hydra.run.dir=run")
+    run = [f"data.root={root}", "trainer.max_steps=1", f"loader.num_workers={workers}", "hydra.run.dir=run"]
+    result = run_here(tmp_path, *IMAGES, *run)
     assert result.returncode == 2, result
     said = result.stdout + result.stderr
-    assert f"data.root: {broken}: does not decode as an image" in said, result
+    assert f"error: data.root: {broken}: does not decode as an image" in said, result
     assert "replace or delete" in said and "Traceback" not in said, result
 
 
