@@ -1,6 +1,7 @@
 """Your own model and dataset without forking: the docs' example as it is shown (docs/own-model.md; its
 files are docs/examples/own_model/), torchvision's builders as `_target_`, plain torch Datasets
-wrapped, and the one-line refusals when a dataset cannot say what it holds."""
+wrapped, the one-line refusals when a dataset cannot say what it holds, and a model with a tied weight
+trained by every exact strategy as single trains it."""
 
 from __future__ import annotations
 
