@@ -125,7 +125,8 @@ class DistConfig:
     # How self-launched workers start: forked from a server that imported torch once, or spawned.
     start_method: StartMethod = StartMethod.forkserver
     # Allow more CPU worker processes on this host than 4 per core (refused otherwise: hundreds of
-    # processes on a few cores stall the machine rather than train).
+    # processes on a few cores stall the machine rather than train). Workers that cannot fit in the
+    # memory available are refused all the same.
     oversubscribe: bool = False
 
 

@@ -79,6 +79,15 @@ def gather_objects(obj: object) -> list[object]:
     return out
 
 
+def broadcast_object(obj: object) -> object:
+    """Rank 0's `obj` on every rank (`obj` itself without a process group)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

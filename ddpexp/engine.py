@@ -12,6 +12,7 @@ at the next batch: the sample order is a pure function of (seed, epoch, world si
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ import torch
 
 from . import distributed, memory
 from .config import OnNonFinite, Precision
-from .data.loaders import Loader
+from .data.loaders import Loader, to_device
 from .errors import UserError
 from .heartbeat import Heartbeat, Preempted
 from .recorder import NullRecorder
@@ -431,21 +432,25 @@ class Engine:
     def _eval_batches(self) -> Iterator[tuple[Any, torch.Tensor | None]]:
         """The eval shard's batches. Where the eval forward is collective (FSDP gathers parameters in
         it), ranks with fewer batches repeat their last batch's forward, unscored, until every rank
-        has run as many forwards as the busiest one: the shards are unpadded and may differ by one."""
+        has run as many forwards as the busiest one: the shards are unpadded and may differ by one.
+        A rank with no eval samples at all (fewer samples than ranks) runs rank 0's first inputs,
+        which every rank receives then (rank 0's shard is the first to get a sample)."""
         if not self.model.collective_eval:
             yield from self.eval_loader
             return
         rounds = int(distributed.all_reduce_max(float(len(self.eval_loader))))
+        fewest = -int(distributed.all_reduce_max(-float(len(self.eval_loader))))
+        batches = iter(self.eval_loader)
+        first = next(batches, None)
         last: Any = None
+        if fewest == 0 and rounds > 0:
+            mine = None if first is None else to_device(first[0], torch.device("cpu"))
+            last = to_device(distributed.broadcast_object(mine), self.device)
         done = 0
-        for inputs, targets in self.eval_loader:
+        for inputs, targets in itertools.chain([] if first is None else [first], batches):
             last = inputs
             done += 1
             yield inputs, targets
-        if done < rounds and last is None:
-            raise RuntimeError(
-                "this rank has no eval samples; use an eval set at least as large as the world"
-            )
         for _ in range(rounds - done):
             yield last, None
 

@@ -83,6 +83,17 @@ class Claim:
         self.release()
 
 
+def first_missing(path: Path) -> Path | None:
+    """The outermost directory that making `path` would create (None if it exists): what to remove
+    to leave nothing behind."""
+    path = path.absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
 def claim(directory: Path) -> Claim | int:
     """Claim `directory` (made if missing) for this process; the PID of the process holding it instead
     (0 if it cannot be read) when another has claimed it."""

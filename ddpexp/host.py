@@ -22,6 +22,13 @@ def load_average() -> float | None:
         return None
 
 
+def available_memory() -> int:
+    """Bytes of memory that new processes can take without swapping (the kernel's MemAvailable)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 

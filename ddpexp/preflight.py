@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +15,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition, faults, optim
+from . import composition, faults, host, optim
 from .context import FAULT_ENV
 from .errors import UserError
 from .launch import warmup
 from .plan import ExternalWorld, HostFacts, Plan
 from .runrecord import METRICS_FILE
 from .validate import check_split_sizes, plan
+
+# What a worker forked from the forkserver (torch already imported) holds of its own once its process
+# group and loop run, before its model and data: the floor of the memory check's estimate.
+WORKER_BASELINE_BYTES = 100 << 20
+# A floor, not an estimate: below it even Hydra's few config files may not fit (a full disk then
+# fails halfway through making the run dir).
+MIN_FREE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,14 @@ def check_output_dir(directory: Path, *, setting: str) -> None:
             setting=setting,
             fix=f"choose a {setting} you can write to (e.g. under the current directory)",
         )
+    free = shutil.disk_usage(existing).free
+    if free < MIN_FREE_BYTES:
+        raise UserError(
+            f"the disk of {existing} has {free // 1024} KiB free, too little for a run's config, logs, "
+            "metrics and checkpoints",
+            setting=setting,
+            fix=f"free space on that disk, or choose a {setting} on another",
+        )
 
 
 def check_sweep_dir(sweep_dir: Path, resume: str | None) -> None:
@@ -241,6 +257,8 @@ def check_job(
         check_split_sizes(info.train_samples, info.eval_samples, p, cfg)
     model = check_model(cfg.model, info, cfg)
     check_launch(cfg, p, joining=joining)
+    if p.launcher == "spawn":
+        check_worker_memory(p, model)
     faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, info))
     from .weights import check_initial, check_resume
 
@@ -445,6 +463,30 @@ def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:
             setting="dist.nprocs",
             fix=f"use dist.nprocs<={4 * cores} (or dist.oversubscribe=true if you mean it)",
         )
+
+
+def check_worker_memory(p: Plan, model: Any) -> None:
+    """The workers this machine starts must fit in its available memory: each takes at least a forked
+    worker's own baseline plus the model's bytes (a floor: gradients, optimizer state, data and
+    activations come on top, so a refusal is certain, not a guess)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in _tensors(model)}.values())
+    each = WORKER_BASELINE_BYTES + model_bytes
+    available = host.available_memory()
+    if p.nprocs_per_node * each <= available:
+        return
+    fits = available // each
+    mib = 1 << 20
+    raise UserError(
+        f"{p.nprocs_per_node} worker processes need at least {p.nprocs_per_node * each // mib} MiB of "
+        f"memory ({each // mib} MiB each: {WORKER_BASELINE_BYTES // mib} for the process, "
+        f"{model_bytes / mib:.1f} for the model), and {available // mib} MiB is available",
+        setting="dist.nprocs",
+        fix=f"use dist.nprocs<={fits}" if fits else "free memory on this machine, or use a smaller model",
+    )
+
+
+def _tensors(model: Any) -> list[Any]:
+    return [*model.parameters(), *model.buffers()]
 
 
 def check_master_addr(cfg: DictConfig) -> None:

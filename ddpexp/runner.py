@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -259,7 +260,9 @@ def run_command(
         outcome = nodes.follow(*checked.joining)
         report(outcome)
         return [outcome]
-    claim = claim_output(checked.output_dir, setting="hydra.sweep.dir" if multirun else "hydra.run.dir")
+    setting = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    made = fsutil.first_missing(checked.output_dir) if checked.output_dir is not None else None
+    claim = claim_output(checked.output_dir, setting=setting)
     try:
         return run_jobs(
             checked.overrides,
@@ -269,9 +272,27 @@ def run_command(
             config_name=config_name,
             sweep_dir=checked.output_dir if multirun else None,
         )
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or checked.output_dir is None:
+            raise
+        if claim is not None:
+            claim.release()
+        raise disk_full(checked.output_dir, made, exc, setting=setting) from exc
     finally:
         if claim is not None:
             claim.release()
+
+
+def disk_full(directory: Path, made: Path | None, exc: OSError, *, setting: str) -> UserError:
+    """The disk filled while the run dir was set up (Hydra's own files, ours): what this command made
+    goes again, unless a run has recorded itself in it (a sweep's finished jobs stay)."""
+    if made is not None and next(made.rglob(METRICS_FILE), None) is None:
+        shutil.rmtree(made, ignore_errors=True)
+    return UserError(
+        f"cannot write to {directory}: {exc.strerror or exc}",
+        setting=setting,
+        fix=f"free space on that disk, or choose a {setting} on another",
+    )
 
 
 def claim_output(directory: Path | None, *, setting: str = "hydra.run.dir") -> fsutil.Claim | None:

@@ -270,11 +270,76 @@ def test_a_run_never_reuses_a_directory_that_holds_results(tmp_path, tmp_path_fa
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.json"]
 
 
+@pytest.mark.parametrize(
+    ("available_mib", "args", "words"),
+    [
+        (300, ["dist.nprocs=4", "trainer.max_steps=1"], ["4 worker processes", "300 MiB", "dist.nprocs<=2"]),
+        (
+            8192,
+            ["dist.nprocs=1000", "trainer.batch_size=1000", "dist.oversubscribe=true"],
+            ["1000 worker processes", "8192 MiB", "dist.nprocs<="],
+        ),
+    ],
+)
+def test_more_workers_than_memory_holds_are_refused_with_the_numbers(
+    tmp_path: Path, monkeypatch, capsys, available_mib: int, args: list[str], words: list[str]
+):
+    """dist.oversubscribe waives the cores check only: workers that cannot fit in the memory available
+    (each at least a worker's own baseline plus the model) are refused before one starts."""
+    real = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real()._replace(available=available_mib << 20))
+    line = refuse(tmp_path, monkeypatch, capsys, "strategy=ddp", *args)
+    assert "dist.nprocs" in line and all(word in line for word in words), line
+
+
 def test_a_stale_rendezvous_file_is_refused(tmp_path: Path, tmp_path_factory, monkeypatch, capsys):
     stale = tmp_path_factory.mktemp("shared") / "rdzv"
     stale.write_text("")
     line = refuse(tmp_path, monkeypatch, capsys, "strategy=ddp", "init=file", f"dist.init_file={stale}")
     assert "dist.init_file" in line and "already exists" in line and stale.exists()
+
+
+IMAGES = ["data=image_folder", "data.image_size=32", "model=mlp", "trainer.batch_size=4"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("empty class", ["flower1", "no images", ".png", "remove the folder"]),
+        ("zero bytes", ["flower2/img3.png", "is empty", "replace or delete"]),
+    ],
+)
+def test_an_image_folder_with_an_empty_class_or_image_is_refused_naming_it(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys, damage: str, words: list[str]
+):
+    from .fake_data import write_image_folder
+
+    root = write_image_folder(tmp_path_factory.mktemp("data"), per_class=4)
+    if damage == "empty class":
+        for image in (root / "flower1").iterdir():
+            image.unlink()
+    else:
+        (root / "flower2" / "img3.png").write_bytes(b"")
+    line = refuse(tmp_path, monkeypatch, capsys, *IMAGES, f"data.root={root}")
+    assert "data.root" in line and all(word in line for word in words), line
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_image_that_does_not_decode_is_named_with_the_fix(tmp_path: Path, workers: int):
+    """A cut-off PNG opens (its header is whole) but does not decode: only reading it finds that, in
+    the run, which then stops with one line naming the file (read in DataLoader workers too)."""
+    from .conftest import run_here
+    from .fake_data import write_image_folder
+
+    root = write_image_folder(tmp_path / "data", per_class=4)
+    broken = root / "flower0" / "img2.png"
+    broken.write_bytes(broken.read_bytes()[:200])
+    run = [f"data.root={root}", "trainer.max_steps=1", f"loader.num_workers={workers}", "hydra.run.dir=run"]
+    result = run_here(tmp_path, *IMAGES, *run)
+    assert result.returncode == 2, result
+    said = result.stdout + result.stderr
+    assert f"error: data.root: {broken}: does not decode as an image" in said, result
+    assert "replace or delete" in said and "Traceback" not in said, result
 
 
 @pytest.mark.parametrize(
@@ -372,6 +437,41 @@ def test_an_os_error_making_the_run_dir_is_one_line_naming_it(tmp_path: Path, mo
     monkeypatch.setattr(fsutil, "claim", fail)
     line = refuse(tmp_path, monkeypatch, capsys, "hydra.run.dir=out/run")
     assert "hydra.run.dir" in line and "out/run" in line and os.strerror(number) in line, line
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_disk_with_a_few_kb_free_is_refused_before_anything_is_made(
+    tmp_path: Path, monkeypatch, capsys, multirun: bool
+):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=12 * 1024))
+    setting = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    line = refuse(tmp_path, monkeypatch, capsys, *(["-m"] if multirun else []), f"{setting}=out/run")
+    assert setting in line and "12 KiB free" in line and "free space" in line, line
+
+
+def test_a_disk_that_fills_as_hydra_writes_its_files_leaves_nothing(tmp_path: Path, monkeypatch, capsys):
+    """The disk fills between pre-flight and Hydra's first write (.hydra/config.yaml): one line, and
+    the directories this command made are gone, from the command line and from ddpexp.run."""
+    import errno
+    import os
+
+    import hydra.core.utils
+
+    import ddpexp
+    from ddpexp.errors import UserError
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(hydra.core.utils, "_save_config", full)
+    line = refuse(tmp_path, monkeypatch, capsys, "hydra.run.dir=out/run")
+    assert "hydra.run.dir" in line and "out/run" in line and os.strerror(errno.ENOSPC) in line, line
+    with pytest.raises(UserError, match="No space left on device"):
+        ddpexp.run(["hydra.run.dir=out/run"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_run_dir_below_a_file_is_refused(tmp_path: Path, tmp_path_factory, monkeypatch, capsys):

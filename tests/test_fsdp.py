@@ -90,6 +90,18 @@ def test_fsdp_clips_the_sharded_gradients_like_single(tmp_path: Path):
     )
 
 
+def test_fsdp_evaluates_exactly_with_fewer_eval_samples_than_ranks(tmp_path: Path):
+    """One eval sample on 2 ranks: rank 1 has none, yet FSDP's forward is collective, so it runs rank
+    0's inputs with it, unscored. The one sample is scored once, as single scores it."""
+    few = [*PARITY, "trainer.max_steps=2", "data.num_eval=1"]
+    for strategy in ("single", "fsdp"):
+        result = run_here(tmp_path, f"strategy={strategy}", *few, f"hydra.run.dir={strategy}")
+        assert result.returncode == 0, result
+    ours, theirs = (metrics(tmp_path / s)["final"] for s in ("fsdp", "single"))
+    assert ours["eval/samples"] == theirs["eval/samples"] == 1
+    assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-5)
+
+
 def test_a_ddp_checkpoint_resumes_under_fsdp_and_an_fsdp_one_under_single(uninterrupted, tmp_path: Path):
     """ddp -> fsdp continues to the uninterrupted ddp run's result; fsdp's checkpoint and model.pt are
     full, plain state: single scores them identically and resumes training from them."""

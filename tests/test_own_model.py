@@ -1,6 +1,7 @@
 """Your own model and dataset without forking: the docs' example as it is shown (docs/own-model.md; its
 files are docs/examples/own_model/), torchvision's builders as `_target_`, plain torch Datasets
-wrapped, and the one-line refusals when a dataset cannot say what it holds."""
+wrapped, the one-line refusals when a dataset cannot say what it holds, and a model with a tied weight
+trained by every exact strategy as single trains it."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from ddpexp import models
+from ddpexp import checkpoint, load_model, models
 from ddpexp.data import DataInfo
 from ddpexp.data.external import External
 from ddpexp.errors import UserError
 
-from .conftest import REPO, metrics, run_here
+from .conftest import PARITY, REPO, assert_close_weights, made_once, metrics, run_here
 
 EXAMPLE = REPO / "docs" / "examples" / "own_model"
 PAGE = (REPO / "docs/own-model.md").read_text()  # its bash block: "run by" this file (tests/test_docs.py)
@@ -191,3 +192,38 @@ def test_what_a_builder_returns_is_checked_with_one_line(made: object, message: 
     with pytest.raises(UserError) as caught:
         External(made, target="t", val_fraction=0.5).check()
     assert message in str(caught.value) and "fix:" in str(caught.value) and "\n" not in str(caught.value)
+
+
+# tests/user_models.py's Tied: one weight in two of its stages() blocks, on the parity experiment.
+TIED = [*PARITY, "model=mlp", "~model.hidden", "model._target_=tests.user_models.tied"]
+TIED += ["checkpoint.every_steps=5"]
+
+
+@pytest.fixture(scope="session")
+def tied_single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    def make(cwd: Path) -> None:
+        result = run_here(cwd, "strategy=single", *TIED, "hydra.run.dir=run")
+        assert result.returncode == 0, result
+
+    return made_once(tmp_path_factory, "tied-single", make) / "run"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", "zero", "naive_allreduce_ring", "ddp_mp", "ps", "pipeline", "fsdp", "fsdp_no_reshard"],
+)
+def test_a_model_with_tied_weights_trains_like_single(strategy: str, tied_single: Path, tmp_path: Path):
+    """Every exact strategy trains the tied model to single's weights, and saves every name the
+    model's own state_dict() has (the tie's alias too), so the run loads as a plain model. pipeline's
+    2 stages keep the tied blocks in one stage; fsdp shards the tied blocks with the root."""
+    result = run_here(tmp_path, f"strategy={strategy}", *TIED, "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    assert_close_weights(tmp_path / "run", tied_single)
+    model = load_model(tmp_path / "run")
+    assert model.again[0].weight is model.middle[0].weight
+    newest = checkpoint.newest_valid(tmp_path / "run")  # what a resume under single would load
+    saved = torch.load(tied_single / "model.pt", weights_only=True)
+    assert newest is not None and newest[1]["model"].keys() == saved.keys()
+    ours, theirs = metrics(tmp_path / "run")["final"], metrics(tied_single)["final"]
+    assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-5)

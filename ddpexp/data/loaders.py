@@ -173,11 +173,24 @@ class TorchLoader:
         return self._len
 
     def __iter__(self) -> Iterator[Batch]:
-        for inputs, targets in self.loader:
-            yield (
-                to_device(inputs, self.device, self.non_blocking),
-                targets.to(self.device, non_blocking=self.non_blocking),
-            )
+        try:
+            for inputs, targets in self.loader:
+                yield (
+                    to_device(inputs, self.device, self.non_blocking),
+                    targets.to(self.device, non_blocking=self.non_blocking),
+                )
+        except UserError as exc:
+            raise _from_loader_worker(exc) from None
+
+
+def _from_loader_worker(exc: UserError) -> UserError:
+    """A UserError a DataLoader worker raised (a dataset naming a damaged file) comes back as a new one
+    whose message is the worker's whole traceback: its one line again, which ends that traceback."""
+    prefix = f"{UserError.__module__}.{UserError.__name__}: "
+    last = str(exc).rstrip().splitlines()[-1]
+    if not str(exc).startswith("Caught UserError") or not last.startswith(prefix):
+        return exc
+    return UserError(last[len(prefix) :])
 
 
 def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:

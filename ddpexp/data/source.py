@@ -97,10 +97,10 @@ def missing_files_error(
     )
 
 
-def corrupt_file_error(path: Path, problem: str) -> Exception:
+def corrupt_file_error(
+    path: Path,
+    problem: str,
+    fix: str = "delete the file and run with data.download=true to fetch it again, or copy in an intact one",
+) -> Exception:
     """A dataset file that is there but damaged (a cut-off download, another file under its name)."""
-    return UserError(
-        f"{path}: {problem}",
-        setting="data.root",
-        fix="delete the file and run with data.download=true to fetch it again, or copy in an intact one",
-    )
+    return UserError(f"{path}: {problem}", setting="data.root", fix=fix)

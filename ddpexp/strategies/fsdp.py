@@ -68,13 +68,36 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     Only blocks that are submodules of the model: stages() may build a container for ddp_mp around
     modules the model calls one by one (ResNet's stem and head), whose forward then never runs, so FSDP
     would never gather its parameters (and the root, finding them sharded already, refuses them). Those
-    parameters go with the root's unit instead."""
+    parameters go with the root's unit instead, as do a block's that share a tensor with any module
+    outside it (tied weights): fully_shard replaces a parameter in its own unit's modules only, so
+    a tie across units would become two parameters (FSDP's DeviceMesh crashes on the second). In the
+    root's unit both uses see the one gathered tensor."""
+    return _units_and_ties(model)[0]
+
+
+def _units_and_ties(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
+    """(shard_units(model); the names of the tied tensors that sent declared blocks to the root)."""
     for name in ("shard_units", "stages"):
         declared = getattr(model, name, None)
         if callable(declared):
             inside = {id(m) for m in model.modules() if m is not model}
-            return [m for m in declared() if id(m) in inside and any(True for _ in m.parameters())]
-    return []
+            blocks = [m for m in declared() if id(m) in inside and any(True for _ in m.parameters())]
+            ties = [_tied_outside(m, model) for m in blocks]
+            units = [m for m, tied in zip(blocks, ties, strict=True) if not tied]
+            return units, sorted({name for tied in ties for name in tied})
+    return [], []
+
+
+def _tied_outside(unit: nn.Module, model: nn.Module) -> list[str]:
+    """The model's names, in modules outside `unit`, of tensors that `unit` holds too."""
+    mine = {id(t) for t in [*unit.parameters(), *unit.buffers()]}
+    within = {id(m) for m in unit.modules()}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [
+        name
+        for name, t in named
+        if id(t) in mine and id(model.get_submodule(name.rpartition(".")[0])) not in within
+    ]
 
 
 @register
@@ -110,8 +133,10 @@ class Fsdp(Strategy[FsdpConfig]):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         if self.settings.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        units = shard_units(model)
-        if not units:
+        units, ties = _units_and_ties(model)
+        if ties:
+            log.info("tied weights %s: the blocks holding them are sharded with the root", ", ".join(ties))
+        if not units and not ties:
             log.warning(
                 "%s declares no shard units (shard_units() or stages()): sharded as one unit, so every "
                 "parameter is gathered at once",

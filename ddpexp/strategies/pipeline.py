@@ -530,13 +530,14 @@ def _make_groups(
 
 
 def _naming(model: nn.Module, part: nn.Module) -> tuple[list[str], list[tuple[str, str]], list[int]]:
-    """(the model's state_dict names in order; (part's key, model's name) for each tensor the part
-    holds; for each of the part's parameters, its number in model.parameters())."""
+    """(the model's state_dict names in order; (part's key, model's name) for every name of the
+    model whose tensor the part holds: a tied tensor under each of its names, as the model's own
+    state_dict() has it; for each of the part's parameters, its number in model.parameters())."""
     full = model.state_dict(keep_vars=True)
-    name_of: dict[int, str] = {}
-    for name, tensor in full.items():
-        name_of.setdefault(id(tensor), name)
-    names = [(key, name_of[id(t)]) for key, t in part.state_dict(keep_vars=True).items()]
+    key_of: dict[int, str] = {}
+    for key, tensor in part.state_dict(keep_vars=True).items():
+        key_of.setdefault(id(tensor), key)
+    names = [(key_of[id(t)], name) for name, t in full.items() if id(t) in key_of]
     number = {id(p): i for i, p in enumerate(model.parameters())}
     return list(full), names, [number[id(p)] for p in part.parameters()]
 
