@@ -310,7 +310,7 @@ def claim_output(directory: Path | None, *, setting: str = "hydra.run.dir") -> f
             fix=("free space on that disk, or " if full else "") + f"choose a {setting} you can write to",
         ) from exc
     if not isinstance(got, fsutil.Claim):
-        from .preflight import refuse_claimed
+        from .preflight.outputs import refuse_claimed
 
         raise refuse_claimed(directory, got, setting=setting)
     return got

@@ -1,34 +1,30 @@
 """Pre-flight: compose and check every job of the run or sweep in the parent, before anything is
 launched. The checks look at the world (dataset files, model construction, ports, the run dir) but
 never write: bad input stops here with one line and the fix, and no process or directory exists yet.
+
+This module composes and walks the jobs; the checks of the output directories (outputs), of a resume
+(resuming) and of this machine and its network (machine) live beside it.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition, faults, host, optim
-from .context import FAULT_ENV
-from .errors import UserError
-from .launch import warmup
-from .plan import ExternalWorld, HostFacts, Plan
-from .runrecord import METRICS_FILE
-from .validate import check_split_sizes, plan
-
-# What a worker forked from the forkserver (torch already imported) holds of its own once its process
-# group and loop run, before its model and data: the floor of the memory check's estimate.
-WORKER_BASELINE_BYTES = 100 << 20
-# A floor, not an estimate: below it even Hydra's few config files may not fit (a full disk then
-# fails halfway through making the run dir).
-MIN_FREE_BYTES = 1 << 20
+from .. import composition, faults, optim
+from ..context import FAULT_ENV
+from ..errors import UserError
+from ..launch import warmup
+from ..plan import ExternalWorld, HostFacts, Plan
+from ..validate import check_split_sizes, plan
+from .machine import check_cpu_processes, check_init_file, check_master_addr, check_port, check_worker_memory
+from .outputs import check_output_dir, check_run_dir, check_sweep_dir
+from .resuming import check_auto_resume, check_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -139,54 +135,6 @@ def _pinned_output_dir(cfg: DictConfig, *, multirun: bool) -> tuple[list[str], P
     return [f"hydra.{key}.dir={resolved}"], Path(resolved)
 
 
-def check_output_dir(directory: Path, *, setting: str) -> None:
-    """Hydra makes the run's (or sweep's) directory and writes into it: the nearest part of its path that
-    exists must be a directory this user may write into (else Hydra fails with a traceback)."""
-    existing = directory.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(
-            f"{existing} is not a directory, so {directory} cannot be made",
-            setting=setting,
-            fix=f"choose a {setting} whose parents are directories",
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"{existing} is not writable, so {directory} cannot be made or written there",
-            setting=setting,
-            fix=f"choose a {setting} you can write to (e.g. under the current directory)",
-        )
-    free = shutil.disk_usage(existing).free
-    if free < MIN_FREE_BYTES:
-        raise UserError(
-            f"the disk of {existing} has {free // 1024} KiB free, too little for a run's config, logs, "
-            "metrics and checkpoints",
-            setting=setting,
-            fix=f"free space on that disk, or choose a {setting} on another",
-        )
-
-
-def check_sweep_dir(sweep_dir: Path, resume: str | None) -> None:
-    """A sweep into a directory that already holds a sweep's runs would overwrite them job by job."""
-    if resume != "auto" and next(sweep_dir.glob(f"*/{METRICS_FILE}"), None) is not None:
-        raise UserError(
-            f"{sweep_dir} already holds a sweep's runs; sweeping into it again would overwrite them",
-            setting="hydra.sweep.dir",
-            fix="choose a new hydra.sweep.dir, or add trainer.resume=auto to continue those runs",
-        )
-
-
-def refuse_claimed(directory: Path, holder: int, *, setting: str = "hydra.run.dir") -> UserError:
-    """The one-line refusal when another ddpexp run holds `directory` (`setting` names it)."""
-    who = f"pid {holder}" if holder else "another process"
-    return UserError(
-        f"{directory} is in use by another ddpexp run ({who}); two runs in one directory mix their results",
-        setting=setting,
-        fix=f"wait for that run to end, or choose another {setting}",
-    )
-
-
 def replaced_settings(jobs: list[list[str]], compose: Any) -> list[str]:
     """`model._target_=my_models.Net` replaces the chosen option's builder (model=convnet's): that
     option's other settings (channels, batch_norm) were meant for the builder it replaces, so they are
@@ -203,7 +151,7 @@ def replaced_settings(jobs: list[list[str]], compose: Any) -> list[str]:
 
 
 def _replaced_in(job: list[str], compose: Any) -> list[str]:
-    from .models import SETTINGS
+    from ..models import SETTINGS
 
     drops: list[str] = []
     # ddpexp's own settings in a section belong to no builder, so they stay.
@@ -260,7 +208,7 @@ def check_job(
     if p.launcher == "spawn":
         check_worker_memory(p, model)
     faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, info))
-    from .weights import check_initial, check_resume
+    from ..weights import check_initial, check_resume
 
     explicit = check_resume(cfg.trainer.resume, model)
     if explicit is not None and cfg.trainer.mode.value == "train":
@@ -286,7 +234,7 @@ def check_launch(cfg: DictConfig, p: Plan, *, joining: bool) -> None:
 def check_benchmark(cfg: DictConfig, p: Plan, *, joining: bool, run_dir: Path | None, setting: str) -> Plan:
     """A collective benchmark's job (python -m ddpexp.commbench): its settings, the launch, and a run
     directory that holds no earlier benchmark (`run_dir`, named by `setting`: None, not checked)."""
-    from .commbench import JSON_FILE, settings
+    from ..commbench import JSON_FILE, settings
 
     settings.check(cfg.commbench, p)
     check_launch(cfg, p, joining=joining)
@@ -301,7 +249,7 @@ def check_benchmark(cfg: DictConfig, p: Plan, *, joining: bool, run_dir: Path | 
 
 def instantiate_data(data_cfg: DictConfig) -> Any:
     """The DataSource (a Dataset of yours, wrapped: data/external.py), or one line saying why not."""
-    from .data import build_source
+    from ..data import build_source
 
     try:
         return build_source(data_cfg)
@@ -333,7 +281,7 @@ def check_single_job(cfg: DictConfig, p: Plan) -> None:
 def _schedule(cfg: DictConfig, p: Plan, info: Any) -> faults.Schedule | None:
     if info.train_samples is None:
         return None
-    from .engine import LoopSettings
+    from ..engine import LoopSettings
 
     settings = LoopSettings.from_config(cfg, p)
     steps_per_epoch = p.steps_per_epoch(info.train_samples, settings.accumulate)
@@ -347,7 +295,7 @@ def _schedule(cfg: DictConfig, p: Plan, info: Any) -> faults.Schedule | None:
 
 def check_task(cfg: DictConfig, info: Any) -> None:
     """The task builds (its loss too) and can learn what the dataset gives; best_metric is one it logs."""
-    from . import tasks
+    from .. import tasks
 
     try:
         task = tasks.build(cfg.task)
@@ -371,7 +319,7 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     strategy cannot handle in milliseconds, without allocating a single weight."""
     import torch
 
-    from . import models, strategies
+    from .. import models, strategies
 
     try:
         with torch.device("meta"):
@@ -383,184 +331,6 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
     strategies.resolve(cfg.strategy).check_model(model)
     return model
-
-
-def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig, global_batch: int) -> None:
-    """resume=auto, before anything in the run directory changes: the newest valid checkpoint must fit
-    the configured model and the run's global batch (its position in the epoch counts steps of that
-    batch), and a run that has already trained everything it was asked to is not started again. A
-    refused resume leaves every byte of the run as it was."""
-    from . import checkpoint
-    from .errors import NothingToDo
-    from .weights import fit
-
-    found = checkpoint.resolve("auto", run_dir)
-    if found is None:
-        return
-    path, state = found
-    fit(state["model"], model, source=path, setting="trainer.resume")
-    saved_batch = state.get("global_batch")  # absent from checkpoints older than this check
-    if saved_batch is not None and int(saved_batch) != global_batch:
-        raise UserError(
-            f"{path.name} was trained at global batch {saved_batch}, this run's is {global_batch}: its "
-            "place in the epoch and its learning-rate schedule count steps of the old batch",
-            setting="trainer.batch_size",
-            fix=f"resume with trainer.batch_size={saved_batch}, or start a new run from its weights "
-            f"with model.weights={path}",
-        )
-    t = cfg.trainer
-    if t.mode.value != "train":
-        return
-    finished_epochs = int(state.get("epoch", 0)) >= t.epochs
-    finished_steps = t.max_steps is not None and int(state.get("step", 0)) >= t.max_steps
-    if finished_epochs or finished_steps:
-        raise NothingToDo(
-            f"{run_dir} is already complete (step {state.get('step')}, epoch {state.get('epoch')} of "
-            f"{t.epochs}); nothing to resume. Raise trainer.epochs or trainer.max_steps to train further"
-        )
-    check_optimizer_state(path, state, cfg)
-
-
-def check_optimizer_state(path: Path, state: dict[str, Any], cfg: DictConfig) -> None:
-    """Training on from a checkpoint loads its optimizer state into the configured optimizer, which
-    torch accepts from any optimizer: SGD's momentum buffers and hyperparameters then reach AdamW,
-    whose first step fails for want of its step count and moments, after the run was reopened. The
-    same optimizer continues with the saved hyperparameters and schedule (they are part of its state),
-    so a changed one would be ignored without a word: refused too."""
-    if "optimizer" not in state:  # bare weights: training starts a fresh optimizer
-        return
-    saved = (state.get("config") or {}).get("optim") or {}
-    wanted = OmegaConf.to_container(cfg.optim, resolve=True, enum_to_str=True)
-    assert isinstance(wanted, dict)
-    if saved.get("name") not in (None, wanted["name"]):
-        raise UserError(
-            f"{path.name} holds the optimizer state of {saved['name']}, which optim={wanted['name']} "
-            "cannot continue from",
-            setting="optim",
-            fix=f"resume with optim={saved['name']}, or start a new run from its weights with "
-            f"model.weights={path}",
-        )
-    changed = [k for k in wanted if k not in UNSAVED_OPTIM and k in saved and saved[k] != wanted[k]]
-    if changed:
-        was = " ".join(f"optim.{k}={saved[k]}" for k in changed)
-        now = ", ".join(f"optim.{k}={wanted[k]}" for k in changed)
-        raise UserError(
-            f"{path.name} continues with {was}, its optimizer's saved settings, not {now}",
-            setting="optim",
-            fix=f"resume with {was}, or start a new run from its weights with model.weights={path}",
-        )
-
-
-# Optimizer settings a resume may change: how the update is computed, not what it is.
-UNSAVED_OPTIM = frozenset({"name", "fused"})
-
-
-def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:
-    cores = os.cpu_count() or 1
-    if p.device_type == "cpu" and p.nprocs_per_node > 4 * cores and not cfg.dist.oversubscribe:
-        raise UserError(
-            f"{p.nprocs_per_node} worker processes on a host with {cores} cores",
-            setting="dist.nprocs",
-            fix=f"use dist.nprocs<={4 * cores} (or dist.oversubscribe=true if you mean it)",
-        )
-
-
-def check_worker_memory(p: Plan, model: Any) -> None:
-    """The workers this machine starts must fit in its available memory: each takes at least a forked
-    worker's own baseline plus the model's bytes (a floor: gradients, optimizer state, data and
-    activations come on top, so a refusal is certain, not a guess)."""
-    model_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in _tensors(model)}.values())
-    each = WORKER_BASELINE_BYTES + model_bytes
-    available = host.available_memory()
-    if p.nprocs_per_node * each <= available:
-        return
-    fits = available // each
-    mib = 1 << 20
-    raise UserError(
-        f"{p.nprocs_per_node} worker processes need at least {p.nprocs_per_node * each // mib} MiB of "
-        f"memory ({each // mib} MiB each: {WORKER_BASELINE_BYTES // mib} for the process, "
-        f"{model_bytes / mib:.1f} for the model), and {available // mib} MiB is available",
-        setting="dist.nprocs",
-        fix=f"use dist.nprocs<={fits}" if fits else "free memory on this machine, or use a smaller model",
-    )
-
-
-def _tensors(model: Any) -> list[Any]:
-    return [*model.parameters(), *model.buffers()]
-
-
-def check_master_addr(cfg: DictConfig) -> None:
-    import socket
-
-    addr = cfg.dist.master_addr
-    if cfg.init.value not in ("env", "tcp") and cfg.dist.nnodes == 1:  # several nodes meet node 0 there
-        return
-    try:
-        socket.getaddrinfo(addr, None)
-    except OSError as exc:
-        raise UserError(
-            f"{addr!r} does not resolve ({exc.strerror or exc})",
-            setting="dist.master_addr",
-            fix="use an address or host name every node can reach (127.0.0.1 on one machine)",
-        ) from exc
-
-
-def check_port(cfg: DictConfig) -> None:
-    from .launch.rendezvous import port_is_free
-
-    port = cfg.dist.master_port
-    if port is None:
-        return
-    ports = [port] if cfg.init.value in ("env", "tcp") else []
-    if cfg.dist.nnodes > 1:
-        ports.append(port + 1)  # node 0's launcher hands the job to the other nodes there
-    busy = next((p for p in ports if not port_is_free(cfg.dist.master_addr, p)), None)
-    if busy is not None:
-        raise UserError(
-            f"port {busy} on {cfg.dist.master_addr} is already in use",
-            setting="dist.master_port",
-            fix="pick another port, one whose next port is free too, on every node's command"
-            if cfg.dist.nnodes > 1
-            else "pick another port, or leave dist.master_port unset to get a free one",
-        )
-
-
-def check_init_file(cfg: DictConfig) -> None:
-    path = cfg.dist.init_file
-    if cfg.init.value != "file" or path is None:
-        return
-    if Path(path).exists():
-        raise UserError(
-            f"rendezvous file {path} already exists (a stale file would join the wrong run)",
-            setting="dist.init_file",
-            fix="delete it if no run uses it, or leave dist.init_file unset for a fresh one in the run dir",
-        )
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise UserError(
-            f"the directory of {path} does not exist",
-            setting="dist.init_file",
-            fix="create it on a filesystem every rank can see, or leave dist.init_file unset",
-        )
-    try:  # os.access says yes to root even where the filesystem refuses (/sys): ask the filesystem
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".ddpexp-probe-"):
-            pass
-    except OSError as exc:
-        raise UserError(
-            f"cannot create {path}: {exc.strerror or exc} in {parent}",
-            setting="dist.init_file",
-            fix="put it in a directory you can write to, on a filesystem every rank can see, "
-            "or leave dist.init_file unset",
-        ) from exc
-
-
-def check_run_dir(run_dir: Path, *, setting: str = "hydra.run.dir") -> None:
-    if (run_dir / METRICS_FILE).exists():
-        raise UserError(
-            f"{run_dir} already holds a run; starting another there would mix their results",
-            setting=setting,
-            fix=f"choose a new {setting}, or add trainer.resume=auto to continue that run",
-        )
 
 
 def _cause(exc: BaseException) -> str:

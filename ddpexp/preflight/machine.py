@@ -1,0 +1,118 @@
+"""Pre-flight's checks of this machine and its network: the worker processes fit its cores and memory,
+and the rendezvous (address, port, file) can be reached or made."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from .. import host
+from ..errors import UserError
+from ..plan import Plan
+
+# What a worker forked from the forkserver (torch already imported) holds of its own once its process
+# group and loop run, before its model and data: the floor of the memory check's estimate.
+WORKER_BASELINE_BYTES = 100 << 20
+
+
+def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:
+    cores = os.cpu_count() or 1
+    if p.device_type == "cpu" and p.nprocs_per_node > 4 * cores and not cfg.dist.oversubscribe:
+        raise UserError(
+            f"{p.nprocs_per_node} worker processes on a host with {cores} cores",
+            setting="dist.nprocs",
+            fix=f"use dist.nprocs<={4 * cores} (or dist.oversubscribe=true if you mean it)",
+        )
+
+
+def check_worker_memory(p: Plan, model: Any) -> None:
+    """The workers this machine starts must fit in its available memory: each takes at least a forked
+    worker's own baseline plus the model's bytes (a floor: gradients, optimizer state, data and
+    activations come on top, so a refusal is certain, not a guess)."""
+    model_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in _tensors(model)}.values())
+    each = WORKER_BASELINE_BYTES + model_bytes
+    available = host.available_memory()
+    if p.nprocs_per_node * each <= available:
+        return
+    fits = available // each
+    mib = 1 << 20
+    raise UserError(
+        f"{p.nprocs_per_node} worker processes need at least {p.nprocs_per_node * each // mib} MiB of "
+        f"memory ({each // mib} MiB each: {WORKER_BASELINE_BYTES // mib} for the process, "
+        f"{model_bytes / mib:.1f} for the model), and {available // mib} MiB is available",
+        setting="dist.nprocs",
+        fix=f"use dist.nprocs<={fits}" if fits else "free memory on this machine, or use a smaller model",
+    )
+
+
+def _tensors(model: Any) -> list[Any]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def check_master_addr(cfg: DictConfig) -> None:
+    import socket
+
+    addr = cfg.dist.master_addr
+    if cfg.init.value not in ("env", "tcp") and cfg.dist.nnodes == 1:  # several nodes meet node 0 there
+        return
+    try:
+        socket.getaddrinfo(addr, None)
+    except OSError as exc:
+        raise UserError(
+            f"{addr!r} does not resolve ({exc.strerror or exc})",
+            setting="dist.master_addr",
+            fix="use an address or host name every node can reach (127.0.0.1 on one machine)",
+        ) from exc
+
+
+def check_port(cfg: DictConfig) -> None:
+    from ..launch.rendezvous import port_is_free
+
+    port = cfg.dist.master_port
+    if port is None:
+        return
+    ports = [port] if cfg.init.value in ("env", "tcp") else []
+    if cfg.dist.nnodes > 1:
+        ports.append(port + 1)  # node 0's launcher hands the job to the other nodes there
+    busy = next((p for p in ports if not port_is_free(cfg.dist.master_addr, p)), None)
+    if busy is not None:
+        raise UserError(
+            f"port {busy} on {cfg.dist.master_addr} is already in use",
+            setting="dist.master_port",
+            fix="pick another port, one whose next port is free too, on every node's command"
+            if cfg.dist.nnodes > 1
+            else "pick another port, or leave dist.master_port unset to get a free one",
+        )
+
+
+def check_init_file(cfg: DictConfig) -> None:
+    path = cfg.dist.init_file
+    if cfg.init.value != "file" or path is None:
+        return
+    if Path(path).exists():
+        raise UserError(
+            f"rendezvous file {path} already exists (a stale file would join the wrong run)",
+            setting="dist.init_file",
+            fix="delete it if no run uses it, or leave dist.init_file unset for a fresh one in the run dir",
+        )
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise UserError(
+            f"the directory of {path} does not exist",
+            setting="dist.init_file",
+            fix="create it on a filesystem every rank can see, or leave dist.init_file unset",
+        )
+    try:  # os.access says yes to root even where the filesystem refuses (/sys): ask the filesystem
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".ddpexp-probe-"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"cannot create {path}: {exc.strerror or exc} in {parent}",
+            setting="dist.init_file",
+            fix="put it in a directory you can write to, on a filesystem every rank can see, "
+            "or leave dist.init_file unset",
+        ) from exc
