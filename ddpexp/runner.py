@@ -42,8 +42,9 @@ def _sweep_subdir(override_dirname: str, num: int) -> str:
 OmegaConf.register_new_resolver("ddpexp_subdir", _sweep_subdir, replace=True)
 
 
-# Exit codes that stop a sweep: Ctrl-C, SIGTERM, and a run that checkpointed and stopped for a signal.
-STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+# Exit codes that stop a sweep: Ctrl-C, SIGTERM, a closed terminal (SIGHUP), and a run that stopped
+# (checkpointed or not) for SIGUSR1/SIGUSR2.
+STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
 SCHEDULER_ENV = ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR")  # under these, checkpoint_on_signal defaults on
 SUBMITIT_SIGNAL_ENV = "SUBMITIT_PREEMPT_SIGNAL"  # submitit's preemption/time-out signal (USR2)
 INTERRUPTED_REMOTE = (

@@ -108,18 +108,33 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_and_resume_continues
 # ------------------------------------------------------------------------------- the launcher
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, sig: int, code: int):
-    run = Watched(tmp_path, ["strategy=ddp", *LONG])
+@pytest.mark.parametrize(
+    ("strategy", "sig"),
+    [
+        ("ddp", signal.SIGINT),
+        ("ddp", signal.SIGTERM),
+        ("ddp", signal.SIGHUP),  # a closed terminal
+        ("ddp", signal.SIGUSR1),  # Slurm's --signal, without trainer.checkpoint_on_signal
+        ("ddp", signal.SIGUSR2),
+        ("single", signal.SIGHUP),  # a run in the launcher's own process
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "single-SIGHUP"],
+)
+def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, strategy: str, sig: signal.Signals):
+    """Each signal that would end the launcher stops the run by its own name: every worker stopped,
+    exit 128 + the signal, metrics.json `interrupted` naming it (not `running`, not a peer's error)."""
+    run = Watched(tmp_path, [f"strategy={strategy}", *LONG])
     run.wait_until_training()
     sent = time.time()
     run.proc.send_signal(sig)
-    returned, _out, err = run.finish(timeout=60)
-    assert returned == code, err
+    returned, out, err = run.finish(timeout=60)
+    assert returned == 128 + sig, err
     assert run.ended - sent < 10
     run.assert_nothing_left()
+    assert f"(exit code {128 + sig})" in out, out
     m = metrics(tmp_path / "run")
     assert m["status"] == "interrupted" and m["history"]  # what was recorded before the signal stays
+    assert sig.name in m["error"], m["error"]
     assert scalars(tmp_path / "run")["eval/acc"][0][0] == m["history"][0]["step"]
     assert last_checkpoint_step(tmp_path / "run") >= 5
 
