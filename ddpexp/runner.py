@@ -24,6 +24,7 @@ from .errors import UserError
 from .job import Outcome
 from .launch import warmup
 from .plan import ExternalWorld
+from .recorder import settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ def remote_outcomes(sweep_dir: Path) -> list[Outcome]:
     (exit 0 only if completed) and error, with where its logs are."""
     outcomes = []
     for path in sorted(sweep_dir.glob(f"*/{METRICS_FILE}")):
+        settle_lost(path.parent)  # a job killed outright: its record says so from now on
         record = read_run_record_or_none(path)
         status = record.status if record is not None else "unreadable metrics.json"
         if status == "completed":
@@ -254,6 +256,9 @@ def run_command(
         return [outcome]
     claim = claim_output(checked.output_dir, setting="hydra.sweep.dir" if multirun else "hydra.run.dir")
     try:
+        if checked.output_dir is not None:  # a run killed outright there said `running`: now the truth
+            for run_dir in [checked.output_dir, *(checked.output_dir.glob("*/") if multirun else ())]:
+                settle_lost(run_dir)
         return run_jobs(
             checked.overrides,
             multirun=multirun,

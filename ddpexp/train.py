@@ -165,7 +165,11 @@ def open_recorder(
     elif mode == Mode.train and (ctx.attempt > 0 or resuming):
         purge_after = 0
     show = progress if progress is not None else ctx.console_is_tty
-    return Recorder(ctx.run_dir, facts=facts, progress=show, best=best, resume_step=purge_after)
+    # The run's owner while it runs: its launcher, torchrun's agent, or this process in-process.
+    owner = ctx.job_pid or (os.getppid() if ctx.plan.launcher == "torchrun" else os.getpid())
+    return Recorder(
+        ctx.run_dir, facts=facts, progress=show, best=best, resume_step=purge_after, owner_pid=owner
+    )
 
 
 @contextlib.contextmanager
