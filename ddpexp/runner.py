@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition, fsutil, host
+from . import composition, fsutil, host, remote
 from .errors import UserError
 from .job import Outcome
 from .launch import warmup
@@ -72,6 +72,7 @@ def run_jobs(
     from hydra.core.global_hydra import GlobalHydra
 
     outcomes: list[Outcome] = []
+    killed: list[str] = []  # submitit jobs that left no result (remote.py)
     here = os.getpid()
 
     def task(cfg: DictConfig) -> float | None:
@@ -97,7 +98,8 @@ def run_jobs(
             hydra = GlobalHydra.instance().hydra
             assert hydra is not None
             if multirun:
-                with suppress(JobFailed):  # each job's outcome is read back from its run dir below
+                # each job's outcome is read back from its run dir below
+                with suppress(JobFailed), remote.killed_jobs_fail(JobFailed) as killed:
                     try:
                         hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
                     except KeyboardInterrupt:  # jobs another process runs (submitit): one line
@@ -109,6 +111,8 @@ def run_jobs(
         GlobalHydra.instance().clear()
     if multirun and not outcomes and sweep_dir is not None:  # the jobs ran elsewhere (submitit, Slurm)
         outcomes = remote_outcomes(sweep_dir)
+        if killed and all(o.exit_code == 0 for o in outcomes):  # killed before it wrote a record
+            outcomes += [Outcome(run_dir=sweep_dir, exit_code=1, error=line) for line in killed]
         for outcome in outcomes:
             report(outcome)
     return outcomes

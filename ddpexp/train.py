@@ -180,7 +180,10 @@ def recorded_if_it_stops(recorder: NullRecorder) -> Iterator[None]:
     try:
         recorder.start()
         yield
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, GeneratorExit):
+        # GeneratorExit: the block was left without this generator hearing why, which only a second
+        # Ctrl-C or SIGTERM landing in the with-statement's exit does (submitit's local controller
+        # passes the terminal's on to its jobs).
         with signals_ignored():  # a second Ctrl-C must not cut short the record of the first
             recorder.close("interrupted")
         raise
