@@ -15,6 +15,8 @@ end: the session's status and its metrics, with the report's definitions (ddpexp
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -39,6 +41,7 @@ CONTEXT = (  # recorded for every run, shown when ticked by hand
 STATUS = {
     "completed": api_pb2.STATUS_SUCCESS,
     "failed": api_pb2.STATUS_FAILURE,
+    "crashed": api_pb2.STATUS_FAILURE,  # runrecord.CRASHED
     "running": api_pb2.STATUS_RUNNING,
 }
 
@@ -94,6 +97,18 @@ def end(status: str, ended_at: float) -> Summary:
         status=STATUS.get(status, api_pb2.STATUS_UNKNOWN), end_time_secs=ended_at
     )
     return _summary(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=info))
+
+
+def write_end(run_dir: Path, status: str, *, step: int) -> None:
+    """The session's end for a run whose own recorder never wrote it (killed outright), in an event
+    file of its own beside the run's: TensorBoard reads every event file of the directory."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    now = time.time()
+    writer = EventFileWriter(str(run_dir), filename_suffix=".settled")
+    writer.add_event(Event(wall_time=now, step=step, summary=end(status, now)))
+    writer.close()
 
 
 def results(metrics: dict[str, Any], best_metric: str) -> dict[str, float]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -43,7 +44,16 @@ from typing import Any, TypeVar
 
 from . import host
 from .fsutil import atomic_write_bytes, atomic_write_text
-from .runrecord import METRICS_FILE, RunRecordError, read_run_record, read_run_record_or_none
+from .runrecord import (
+    CRASHED,
+    METRICS_FILE,
+    RunRecordError,
+    gone_error,
+    owner_gone,
+    owner_record,
+    read_run_record,
+    read_run_record_or_none,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,6 +129,24 @@ def finish_metrics(run_dir: Path, status: str, error: str, *, facts: dict[str, A
     write_metrics(run_dir, metrics)
 
 
+def settle_lost(run_dir: Path) -> bool:
+    """A record left `running` by a process that is gone (runrecord.RunRecord.lost) says so in the
+    file: status CRASHED, with why, and the HParams view's status too. Called by a command that has
+    just claimed the directory, so no live run can be writing there. True when it did."""
+    record = read_run_record_or_none(run_dir)
+    if record is None or not record.lost:
+        return False
+    try:
+        write_metrics(run_dir, dict(record.raw, status=CRASHED, error=record.error))
+        from . import hparams  # tensorboard: only when there is a record to settle
+
+        hparams.write_end(run_dir, CRASHED, step=int(record.final.get("step", 0)))
+    except OSError:  # a full disk, a copy without write permission: every reader still sees CRASHED
+        return False
+    log.warning("ddpexp: %s: %s; its %s now says %s", run_dir, record.error, METRICS_FILE, CRASHED)
+    return True
+
+
 class NullRecorder:
     def start(self) -> None:
         pass
@@ -157,6 +185,7 @@ class Recorder(NullRecorder):
         progress: bool,
         best: Best | None = None,
         resume_step: int | None = None,
+        owner_pid: int | None = None,
     ) -> None:
         from torch.utils.tensorboard import SummaryWriter  # heavy: only rank 0 of a run pays for it
 
@@ -170,7 +199,9 @@ class Recorder(NullRecorder):
         self._bar: Any = None
         self._unwritten: list[tuple[int, dict[str, float]]] = []
         self._written_at = time.monotonic()
-        self.metrics = new_metrics(facts) | {"started_at": time.time()}
+        # Whose run this is while it says `running`: the job's launcher (its workers die with it).
+        owner = owner_record(owner_pid if owner_pid is not None else os.getpid())
+        self.metrics = new_metrics(facts) | {"started_at": time.time(), "owner": owner}
         self._resume_step = resume_step
 
     def start(self) -> None:
@@ -266,6 +297,11 @@ class Recorder(NullRecorder):
         self.writer.flush()
 
     def close(self, status: str, error: str | None = None) -> None:
+        owner = self.metrics["owner"]
+        if status == "failed" and owner_gone(owner):
+            # The run's launcher was killed outright and this rank failed of it (its peers were
+            # killed with the launcher): that is the cause, not the broken connection seen here.
+            status, error = CRASHED, f"{gone_error(owner)}; rank 0 then failed: {error}"
         self.metrics["status"] = status
         now = time.time()
         self.metrics["wall_s"] = now - self.metrics["started_at"]

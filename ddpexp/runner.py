@@ -20,11 +20,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition, fsutil, host
+from . import composition, fsutil, host, remote
 from .errors import NothingToDo, UserError
 from .job import Outcome
 from .launch import warmup
 from .plan import ExternalWorld
+from .recorder import settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ def _sweep_subdir(override_dirname: str, num: int) -> str:
 OmegaConf.register_new_resolver("ddpexp_subdir", _sweep_subdir, replace=True)
 
 
-# Exit codes that stop a sweep: Ctrl-C, SIGTERM, and a run that checkpointed and stopped for a signal.
-STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+# Exit codes that stop a sweep: Ctrl-C, SIGTERM, a closed terminal (SIGHUP), and a run that stopped
+# (checkpointed or not) for SIGUSR1/SIGUSR2.
+STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
 SCHEDULER_ENV = ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR")  # under these, checkpoint_on_signal defaults on
 SUBMITIT_SIGNAL_ENV = "SUBMITIT_PREEMPT_SIGNAL"  # submitit's preemption/time-out signal (USR2)
 INTERRUPTED_REMOTE = (
@@ -71,6 +73,7 @@ def run_jobs(
     from hydra.core.global_hydra import GlobalHydra
 
     outcomes: list[Outcome] = []
+    killed: list[str] = []  # submitit jobs that left no result (remote.py)
     here = os.getpid()
 
     def task(cfg: DictConfig) -> float | None:
@@ -96,7 +99,8 @@ def run_jobs(
             hydra = GlobalHydra.instance().hydra
             assert hydra is not None
             if multirun:
-                with suppress(JobFailed):  # each job's outcome is read back from its run dir below
+                # each job's outcome is read back from its run dir below
+                with suppress(JobFailed), remote.killed_jobs_fail(JobFailed) as killed:
                     try:
                         hydra.multirun(config_name=config_name, task_function=task, overrides=overrides)
                     except KeyboardInterrupt:  # jobs another process runs (submitit): one line
@@ -108,6 +112,8 @@ def run_jobs(
         GlobalHydra.instance().clear()
     if multirun and not outcomes and sweep_dir is not None:  # the jobs ran elsewhere (submitit, Slurm)
         outcomes = remote_outcomes(sweep_dir)
+        if killed and all(o.exit_code == 0 for o in outcomes):  # killed before it wrote a record
+            outcomes += [Outcome(run_dir=sweep_dir, exit_code=1, error=line) for line in killed]
         for outcome in outcomes:
             report(outcome)
     return outcomes
@@ -118,6 +124,7 @@ def remote_outcomes(sweep_dir: Path) -> list[Outcome]:
     (exit 0 only if completed) and error, with where its logs are."""
     outcomes = []
     for path in sorted(sweep_dir.glob(f"*/{METRICS_FILE}")):
+        settle_lost(path.parent)  # a job killed outright: its record says so from now on
         record = read_run_record_or_none(path)
         status = record.status if record is not None else "unreadable metrics.json"
         if status == "completed":
@@ -264,6 +271,9 @@ def run_command(
     made = fsutil.first_missing(checked.output_dir) if checked.output_dir is not None else None
     claim = claim_output(checked.output_dir, setting=setting)
     try:
+        if checked.output_dir is not None:  # a run killed outright there said `running`: now the truth
+            for run_dir in [checked.output_dir, *(checked.output_dir.glob("*/") if multirun else ())]:
+                settle_lost(run_dir)
         return run_jobs(
             checked.overrides,
             multirun=multirun,

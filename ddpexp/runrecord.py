@@ -1,14 +1,16 @@
 """A run's record (metrics.json, which rank 0's recorder writes) read back, and what it means.
 
 The lowest layer of reading results: the standard library only (no torch, nothing of ddpexp above
-fsutil), so the report, the cost model, the HParams view and the in-process API can all use it.
+fsutil and host), so the report, the cost model, the HParams view and the in-process API can all use it.
 
     METRICS_FILE            the record's file name in a run directory
     read_run_record(where)  the one reader: a RunRecord, None when the run left no record yet, or
                             RunRecordError (a ValueError) when the file is there but unreadable
     RunRecord               what the record holds, typed (status, facts, final, best, history,
-                            started_at, wall_s, time_to_first_step_s, attempts, error, nonfinite), and
-                            the whole parsed file as `raw`, so no reader loses a key
+                            started_at, wall_s, time_to_first_step_s, attempts, error, nonfinite,
+                            owner), and the whole parsed file as `raw`, so no reader loses a key
+    owner_record(pid)       who a `running` record belongs to (pid, host, boot id, the pid's start)
+    owner_gone(owner)       whether that process has ended (gone_error(owner): the error that says so)
     steady(per_epoch)       per-epoch values without the warm-up epoch
     strategy_label(facts)   "ddp comm_hook=bf16": the strategy and its settings that differ from defaults
 
@@ -16,18 +18,31 @@ What the recorder writes (ddpexp/recorder.py): `status` (running, completed, fai
 (the job's settings and host, ddpexp/facts.py), `final` (the last epoch's values), `best` (the epoch
 whose best metric was best), `history` (one record per epoch), `started_at` (the recorder's start, Unix
 seconds), `wall_s` (its start to its close), `time_to_first_step_s`, `attempts` (a resumed run counts
-its attempts), `error` (how a failed run failed) and `nonfinite` (keys whose NaN/inf was written as null).
+its attempts), `error` (how a failed run failed), `nonfinite` (keys whose NaN/inf was written as null)
+and `owner` (the process that runs the job: owner_record).
+
+A run killed outright (SIGKILL, the OOM killer, a machine gone) cannot say how it ended: its record
+stays `running`. Every reader gets the true status from here: a `running` record whose owner is gone
+reads as CRASHED (`RunRecord.lost`), and the next command that claims the directory writes that into
+the file (recorder.settle_lost). An owner on another machine cannot be checked from here, so its
+record reads as written; a record without an owner (written before owners were) reads as CRASHED when
+no live ddpexp process holds its directory or its sweep's (fsutil.claim).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import fsutil, host
+
 METRICS_FILE = "metrics.json"
+CRASHED = "crashed"  # a `running` record whose owner is gone
 
 
 class RunRecordError(ValueError):
@@ -63,19 +78,30 @@ class RunRecord:
     attempts: int = 1  # 2 and more: resumed
     error: str | None = None
     nonfinite: list[str] = field(default_factory=list)
+    owner: dict[str, Any] = field(default_factory=dict)  # owner_record() of the process running it
     raw: dict[str, Any] = field(default_factory=dict)  # the whole file as parsed
 
     @property
     def run_dir(self) -> Path:
         return self.path.parent
 
+    @property
+    def lost(self) -> bool:
+        """Whether the file says `running` of a run whose owner is gone (read as CRASHED)."""
+        return self.status == CRASHED and self.raw.get("status") == "running"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], path: Path) -> RunRecord:
         attempts = data.get("attempts")
         error = data.get("error")
+        status = str(data.get("status") or "unknown")
+        owner = _dict(data.get("owner"))
+        if status == "running" and _gone(owner, path.parent):
+            status = CRASHED
+            error = error or gone_error(owner)
         return cls(
             path=path,
-            status=str(data.get("status") or "unknown"),
+            status=status,
             facts=_dict(data.get("facts")),
             final=_dict(data.get("final")),
             best=_dict(data.get("best")),
@@ -86,6 +112,7 @@ class RunRecord:
             attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else 1,
             error=None if error is None else str(error),
             nonfinite=[str(key) for key in data.get("nonfinite") or []],
+            owner=owner,
             raw=data,
         )
 
@@ -122,6 +149,75 @@ def read_run_record_or_none(where: Path | str) -> RunRecord | None:
         return read_run_record(where)
     except RunRecordError:
         return None
+
+
+def owner_record(pid: int) -> dict[str, Any]:
+    """Who a `running` record belongs to: process `pid` (the job's launcher, or the process training
+    in-process) on this machine. Its start time tells it from a later process given the same pid;
+    the boot id, from the same pid after a reboot."""
+    return {
+        "pid": pid,
+        "host": socket.gethostname(),
+        "boot_id": host.machine_id(),
+        "start": _start_ticks(pid),
+    }
+
+
+def _gone(owner: dict[str, Any], run_dir: Path) -> bool:
+    if not owner:  # a record from before owners: no live claim on its directory or its sweep's
+        return not (fsutil.held(run_dir) or fsutil.held(run_dir.parent))
+    return owner_gone(owner)
+
+
+def owner_gone(owner: dict[str, Any]) -> bool:
+    """Whether the process `owner` (owner_record) is known to have ended; False where this machine
+    cannot tell (another host, no pid)."""
+    if owner.get("host") != socket.gethostname():
+        return False  # another machine's process: nothing here can tell
+    boot = host.machine_id()
+    if owner.get("boot_id") and boot and owner["boot_id"] != boot:
+        return True  # this machine has restarted since
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    start = _start_ticks(pid)
+    if start is None:
+        return not _exists(pid)
+    return start == -1 or (owner.get("start") is not None and owner["start"] != start)
+
+
+def gone_error(owner: dict[str, Any]) -> str:
+    if not owner:
+        return "the run ended without recording how (no live ddpexp process holds its directory)"
+    return (
+        f"the run's process (pid {owner.get('pid')} on {owner.get('host')}) ended without recording "
+        "how: killed outright (SIGKILL, the out-of-memory killer) or its machine went down"
+    )
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When `pid` started (clock ticks after boot, from /proc); -1 when there is no such live process
+    (a zombie, dead and not yet reaped, counts as gone); None where /proc cannot tell (not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return -1 if Path("/proc/self/stat").exists() else None
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on; the name may hold spaces
+    if fields[0] in ("Z", "X"):
+        return -1
+    return int(fields[19])  # field 22, starttime
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def steady(per_epoch: list[float]) -> list[float]:

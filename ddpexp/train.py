@@ -165,7 +165,11 @@ def open_recorder(
     elif mode == Mode.train and (ctx.attempt > 0 or resuming):
         purge_after = 0
     show = progress if progress is not None else ctx.console_is_tty
-    return Recorder(ctx.run_dir, facts=facts, progress=show, best=best, resume_step=purge_after)
+    # The run's owner while it runs: its launcher, torchrun's agent, or this process in-process.
+    owner = ctx.job_pid or (os.getppid() if ctx.plan.launcher == "torchrun" else os.getpid())
+    return Recorder(
+        ctx.run_dir, facts=facts, progress=show, best=best, resume_step=purge_after, owner_pid=owner
+    )
 
 
 @contextlib.contextmanager
@@ -176,7 +180,10 @@ def recorded_if_it_stops(recorder: NullRecorder) -> Iterator[None]:
     try:
         recorder.start()
         yield
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, GeneratorExit):
+        # GeneratorExit: the block was left without this generator hearing why, which only a second
+        # Ctrl-C or SIGTERM landing in the with-statement's exit does (submitit's local controller
+        # passes the terminal's on to its jobs).
         with signals_ignored():  # a second Ctrl-C must not cut short the record of the first
             recorder.close("interrupted")
         raise

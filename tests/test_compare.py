@@ -5,6 +5,7 @@ numbers are the runs' own."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from hydra import compose
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import ddpexp
-from ddpexp import fsutil, report, strategies
+from ddpexp import fsutil, report, runrecord, strategies
 from ddpexp.composition import expand
 from ddpexp.report.prediction import prediction
 from ddpexp.report.table import table as report_table
@@ -142,7 +143,9 @@ def test_report_marks_a_crashed_job_instead_of_breaking(preset_sweep: Path, tmp_
     shutil.copytree(preset_sweep, copy, ignore=shutil.ignore_patterns("*.png", "report.md", "*.pt"))
     killed = copy / "strategy=ddp"  # killed hard: status still "running", event file cut short
     m = json.loads((killed / "metrics.json").read_text())
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     m["status"] = "running"
+    m["owner"] = runrecord.owner_record(int(gone.stdout))  # a process that has ended
     (killed / "metrics.json").write_text(json.dumps(m))
     (events,) = killed.glob("events.out.tfevents.*")
     events.write_bytes(events.read_bytes()[:200])
@@ -154,7 +157,13 @@ def test_report_marks_a_crashed_job_instead_of_breaking(preset_sweep: Path, tmp_
     text = (copy / "report.md").read_text()
     assert "| strategy=ddp | crashed |" in text and "| strategy=dp | failed |" in text  # no live process
     assert "| strategy=single | completed |" in text
-    with fsutil.claim(copy):  # type: ignore[union-attr]  # the sweep's launcher still alive: running
+    m["owner"] = runrecord.owner_record(os.getpid())  # its owner alive: running
+    (killed / "metrics.json").write_text(json.dumps(m))
+    report.main([str(copy)])
+    assert "| strategy=ddp | running |" in (copy / "report.md").read_text()
+    del m["owner"]  # a record from before owners: running while a live ddpexp process holds its sweep
+    (killed / "metrics.json").write_text(json.dumps(m))
+    with fsutil.claim(copy):  # type: ignore[union-attr]
         report.main([str(copy)])
     assert "| strategy=ddp | running |" in (copy / "report.md").read_text()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import metrics, scalars
+from .conftest import metrics, run_ddpexp, scalars
 from .fault_harness import (
     LONG,
     Watched,
@@ -108,40 +108,86 @@ def test_a_kill_while_saving_leaves_the_previous_checkpoint_and_resume_continues
 # ------------------------------------------------------------------------------- the launcher
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, sig: int, code: int):
-    run = Watched(tmp_path, ["strategy=ddp", *LONG])
+@pytest.mark.parametrize(
+    ("strategy", "sig"),
+    [
+        ("ddp", signal.SIGINT),
+        ("ddp", signal.SIGTERM),
+        ("ddp", signal.SIGHUP),  # a closed terminal
+        ("ddp", signal.SIGUSR1),  # Slurm's --signal, without trainer.checkpoint_on_signal
+        ("ddp", signal.SIGUSR2),
+        ("single", signal.SIGHUP),  # a run in the launcher's own process
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "single-SIGHUP"],
+)
+def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, strategy: str, sig: signal.Signals):
+    """Each signal that would end the launcher stops the run by its own name: every worker stopped,
+    exit 128 + the signal, metrics.json `interrupted` naming it (not `running`, not a peer's error)."""
+    run = Watched(tmp_path, [f"strategy={strategy}", *LONG])
     run.wait_until_training()
     sent = time.time()
     run.proc.send_signal(sig)
-    returned, _out, err = run.finish(timeout=60)
-    assert returned == code, err
+    returned, out, err = run.finish(timeout=60)
+    assert returned == 128 + sig, err
     assert run.ended - sent < 10
     run.assert_nothing_left()
+    assert f"(exit code {128 + sig})" in out, out
     m = metrics(tmp_path / "run")
     assert m["status"] == "interrupted" and m["history"]  # what was recorded before the signal stays
+    assert sig.name in m["error"], m["error"]
     assert scalars(tmp_path / "run")["eval/acc"][0][0] == m["history"][0]["step"]
     assert last_checkpoint_step(tmp_path / "run") >= 5
 
 
-def test_a_killed_launcher_takes_its_workers_with_it(tmp_path: Path):
+def test_a_killed_launcher_takes_its_workers_with_it_and_its_run_reads_crashed(tmp_path: Path):
+    """SIGKILL to the launcher: the workers exit, and the run, which could not record how it ended,
+    reads as crashed to every reader; the next command on its directory writes that down, then resumes."""
     run = Watched(tmp_path, ["strategy=ddp", *LONG])
     run.wait_until_training()
     run.proc.kill()  # SIGKILL: no handler runs in the launcher
     run.finish(timeout=30)
     assert run.ranks_seen() == {"0", "1"}
     run.assert_nothing_left()
-    assert last_checkpoint_step(tmp_path / "run") >= 5
+    step = last_checkpoint_step(tmp_path / "run")
+    assert step >= 5
+    assert_reads_crashed(tmp_path / "run", owner=run.proc.pid)
+    left_running = metrics(tmp_path / "run")["status"] == "running"
+    again = run_ddpexp(
+        tmp_path, "strategy=ddp", *LONG, "trainer.resume=auto", f"trainer.max_steps={step + 2}"
+    )
+    assert again.returncode == 0, again
+    if left_running:  # the next command on the directory wrote the truth down before it went on
+        said = f"ddpexp: run: the run's process (pid {run.proc.pid} on "  # then why
+        assert said in again.stderr and "metrics.json now says crashed" in again.stderr, again
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "completed" and m["attempts"] == 2, m
 
 
-def test_a_killed_torchrun_agent_takes_its_workers_with_it(tmp_path: Path):
+def test_a_killed_torchrun_agent_takes_its_workers_with_it_and_its_run_reads_crashed(tmp_path: Path):
     """SIGKILL to torchrun's agent: its workers (ddpexp's ranks) exit too, instead of training on as
-    orphans."""
+    orphans, and the run reads as crashed."""
     run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True)
     run.wait_until_training()
     run.proc.kill()
     run.finish(timeout=30)
     run.assert_nothing_left()
+    assert_reads_crashed(tmp_path / "run", owner=run.proc.pid)
+
+
+def assert_reads_crashed(run_dir: Path, *, owner: int) -> None:
+    """The run was owned by `owner`, a process now gone: metrics.json says `running` (rank 0 was
+    killed with it) or `crashed` (rank 0 saw its peer go first, and its launcher gone); ddpexp.run's
+    Result, the report and every reader of the record say crashed."""
+    from ddpexp import api, report
+    from ddpexp.runrecord import read_run_record
+
+    m = metrics(run_dir)
+    assert m["status"] in ("running", "crashed") and m["owner"]["pid"] == owner, m
+    record = read_run_record(run_dir)
+    assert record is not None and record.status == "crashed"
+    assert f"pid {owner} on " in (record.error or "")
+    assert api.Result.read(run_dir, exit_code=-9).status == "crashed"
+    assert report.load_run(run_dir, "run").status == "crashed"
 
 
 def test_sigterm_to_torchrun_records_the_run_as_interrupted(tmp_path: Path):

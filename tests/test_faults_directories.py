@@ -145,6 +145,28 @@ def test_submitit_jobs_requeue_after_preemption_and_a_failing_job_fails_the_swee
     assert same_weights(good, tmp_path / "ref")
 
 
+def test_a_submitit_job_killed_outright_fails_the_sweep_in_one_line_and_reads_crashed(tmp_path: Path):
+    """A job whose process is SIGKILLed (strategy=single trains in the job's own process) leaves
+    submitit no result. The submitting command still waits for the other job (whose rank 0 is killed
+    in a worker: an ordinary failure), says in one line per job which it was and where its logs are
+    (no UncompletedJobError traceback), and the killed job's metrics.json says crashed, not running."""
+    args = ["-m", "hydra/launcher=submitit_local", "strategy=single,ddp", *QUICK, "trainer.max_steps=6"]
+    fault = {"DDPEXP_FAULT": "rank0:step4:kill"}
+    result = run_ddpexp(tmp_path, *args, "hydra.sweep.dir=sweep", env=fault)
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr and "UncompletedJobError" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ddpexp: error:")]
+    killed, failed = "sweep/strategy=single", "sweep/strategy=ddp"
+    (error,) = [line for line in errors if f"logs in {killed}/logs" in line]
+    assert "ended without recording how" in error, error
+    assert any("rank 0" in line and f"logs in {failed}/logs" in line for line in errors), errors
+    assert len(errors) == 2, errors
+    for run in (killed, failed):
+        assert f"run dir: {run}  (exit code 1)" in result.stdout, result
+    assert metrics(tmp_path / killed)["status"] == "crashed"
+    assert metrics(tmp_path / failed)["status"] == "failed"
+
+
 def test_ctrl_c_under_submitit_stops_its_local_jobs_and_says_so_in_one_line(tmp_path: Path):
     """Ctrl-C in a terminal reaches the submitting command and the jobs submitit started on this
     machine (one process group): exit 130, one line that says where jobs go on (Slurm), nothing left."""

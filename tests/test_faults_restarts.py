@@ -231,7 +231,7 @@ def recording(tmp_path: Path, **pauses: str) -> dict[str, str]:
     (tmp_path / "procs").mkdir()
     return {
         **os.environ,
-        "PYTHONPATH": str(tmp_path / "site"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])),
         "DDPEXP_TEST_PROCS": str(tmp_path / "procs"),
         "DDPEXP_TEST_PAUSES": ";".join(f"{who}={module}" for who, module in pauses.items()),
     }
@@ -291,6 +291,19 @@ def test_bad_input_leaves_no_process_behind_not_even_the_early_forkserver(tmp_pa
     (tmp_path / "procs" / "go-ddpexp.preflight").touch()
     _out, err = proc.communicate(timeout=60)  # (a server left running would hold the pipes open)
     assert proc.returncode == 2 and err.startswith("ddpexp: error: ") and len(err.splitlines()) == 1, err
+    assert not left_running(recorded(tmp_path))
+
+
+def test_a_killed_launcher_leaves_no_forkserver_behind_even_while_it_imports(tmp_path: Path):
+    """SIGKILL to the command while the workers' forkserver it started early still imports torch (held
+    in that import for good): the server dies with it (launch/tether.py), instead of living on as an
+    orphan until its imports are done."""
+    env = recording(tmp_path, **{COMMAND: "ddpexp.preflight", FORKSERVER: "torch"})
+    cmd = [sys.executable, "-m", "ddpexp", "strategy=ddp", *QUICK, "hydra.run.dir=run"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    wait_for(lambda: paused(tmp_path, "ddpexp.preflight") and paused(tmp_path, "torch"), proc)
+    proc.kill()
+    proc.communicate(timeout=60)
     assert not left_running(recorded(tmp_path))
 
 

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ddpexp.recorder import write_metrics
+from ddpexp import hparams
+from ddpexp.recorder import settle_lost, write_metrics
 from ddpexp.runrecord import (
+    CRASHED,
     METRICS_FILE,
     RunRecord,
     RunRecordError,
+    owner_record,
     read_run_record,
     steady,
     strategy_label,
@@ -110,11 +114,65 @@ def test_strategy_label_names_the_settings_that_differ_from_the_defaults():
 
 
 def test_it_is_the_lowest_layer():
-    """Importing it imports neither torch nor any ddpexp module above fsutil."""
+    """Importing it imports neither torch nor any ddpexp module above fsutil and host."""
     code = (
         "import sys, ddpexp.runrecord\n"
         "mods = [m for m in sys.modules if m == 'torch' or m.startswith('ddpexp.')]\n"
-        "print(sorted(set(mods) - {'ddpexp.runrecord', 'ddpexp.fsutil'}))\n"
+        "print(sorted(set(mods) - {'ddpexp.runrecord', 'ddpexp.fsutil', 'ddpexp.host'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def _ended_process() -> int:
+    """The pid of a process that has ended and been reaped."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    return int(done.stdout)
+
+
+def test_a_running_record_whose_owner_is_gone_reads_as_crashed(tmp_path: Path):
+    """A run killed outright cannot record how it ended; its owner (pid, host, boot id, start time)
+    tells every reader. Alive: running. Ended, or its pid since given to another process, or this
+    machine restarted since: crashed, with why. On another machine: as written (nothing here can tell)."""
+    running = {**RECORD, "status": "running"}
+
+    def status(owner: dict) -> str:
+        write_metrics(tmp_path, {**running, "owner": owner})
+        record = read_run_record(tmp_path)
+        assert record is not None
+        return record.status
+
+    me = owner_record(os.getpid())
+    assert status(me) == "running"
+    ended = owner_record(_ended_process())
+    assert ended["start"] == -1 and status(ended) == CRASHED
+    record = read_run_record(tmp_path)
+    assert record is not None and record.lost and f"pid {ended['pid']} on " in (record.error or "")
+    assert status({**me, "start": me["start"] + 1}) == CRASHED  # the pid now belongs to another process
+    assert status({**me, "boot_id": "another boot"}) == CRASHED
+    assert status({**me, "host": "elsewhere", "pid": ended["pid"]}) == "running"
+    assert status({**ended, "pid": None}) == "running"  # nothing to check it by
+    write_metrics(tmp_path, {**RECORD, "owner": ended})  # only `running` is ever in question
+    assert read_run_record(tmp_path).status == "completed"  # type: ignore[union-attr]
+
+
+def test_a_command_that_claims_the_directory_writes_the_true_status(tmp_path: Path):
+    """settle_lost (what a command does on claiming a directory): the file and TensorBoard's HParams
+    view say crashed, and a record whose owner lives is left as it was."""
+    write_metrics(tmp_path, {**RECORD, "status": "running", "owner": owner_record(os.getpid())})
+    before = (tmp_path / METRICS_FILE).read_bytes()
+    assert not settle_lost(tmp_path) and (tmp_path / METRICS_FILE).read_bytes() == before
+    write_metrics(tmp_path, {**RECORD, "status": "running", "owner": owner_record(_ended_process())})
+    assert settle_lost(tmp_path)
+    written = json.loads((tmp_path / METRICS_FILE).read_text())
+    assert written["status"] == CRASHED and "ended without recording how" in written["error"]
+    assert written["history"] == RECORD["history"]  # nothing else changes
+    assert not settle_lost(tmp_path)  # once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    (content,) = events.PluginTagToContent(metadata.PLUGIN_NAME).values()
+    end = metadata.parse_session_end_info_plugin_data(content)
+    assert end.status == api_pb2.STATUS_FAILURE == hparams.STATUS[CRASHED]

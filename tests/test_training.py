@@ -541,3 +541,21 @@ def test_buffered_scalars_reach_the_event_file_before_a_checkpoint_and_at_close(
     recorder.scalars(3, {"train/loss": 1.0})
     recorder.close("interrupted")
     assert logged_steps("train/loss") == [1, 2, 3]
+
+
+def test_a_record_left_by_a_second_interrupt_in_the_exit_says_interrupted():
+    """A second Ctrl-C (submitit's local controller passes the terminal's on to its jobs) can land
+    inside the with-statement's exit, before the first reaches recorded_if_it_stops: its generator is
+    then closed, not told why. The run was interrupted, not `failed` with GeneratorExit()."""
+    from ddpexp.train import recorded_if_it_stops
+
+    closed: list[tuple[str, str | None]] = []
+
+    class Recorded(NullRecorder):
+        def close(self, status: str, error: str | None = None) -> None:
+            closed.append((status, error))
+
+    guard = recorded_if_it_stops(Recorded())
+    guard.__enter__()
+    guard.gen.close()  # what the garbage collector does to a context manager whose exit was cut short
+    assert closed == [("interrupted", None)]

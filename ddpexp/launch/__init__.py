@@ -12,6 +12,7 @@ warmup       the forkserver workers fork from: started before pre-flight, killed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -41,14 +42,19 @@ def run_inprocess(job: Job) -> int:
     import torch
 
     from ..context import RunContext
-    from .supervise import checkpoint_then_stop, error_file, sigterm_raises
+    from .supervise import CHECKPOINT_SIGNALS, STOP_SIGNALS, checkpoint_then_stop, error_file, sigterm_raises
     from .worker import execute, run_guarded
 
     ctx = RunContext.in_this_process(job)
     threads = torch.get_num_threads()
     torch.set_num_threads(ctx.threads)  # given back after the run: this process may be a notebook's
     try:
-        with checkpoint_then_stop(ctx.heartbeat) if job.checkpoint_on_signal else sigterm_raises():
+        # Every signal that stops a launcher stops this run by its name (Ctrl-C: KeyboardInterrupt).
+        stops = [s for s in STOP_SIGNALS[1:] if not (job.checkpoint_on_signal and s in CHECKPOINT_SIGNALS)]
+        with (
+            checkpoint_then_stop(ctx.heartbeat) if job.checkpoint_on_signal else contextlib.nullcontext(),
+            sigterm_raises(tuple(stops)),
+        ):
             code = run_guarded(lambda: execute(job, ctx), ctx)
     finally:
         torch.set_num_threads(threads)

@@ -3,8 +3,8 @@
 Supervision is what keeps a distributed run from hanging or leaking processes:
 - a worker that fails (exception or signal) gets the others stopped at once, and the user sees the
   failing rank's own error first, not the echoes it caused in the other ranks;
-- Ctrl-C / SIGTERM to the launcher stops every worker (SIGTERM, then SIGKILL after a grace period)
-  and exits 130 / 143;
+- Ctrl-C / SIGTERM (or SIGHUP, SIGUSR1, SIGUSR2: STOP_SIGNALS) to the launcher stops every worker
+  (SIGTERM, then SIGKILL after a grace period) and exits 128 + the signal (130 / 143 ...);
 - a worker ended by a signal the launcher did not send (SIGTERM, SIGINT, SIGKILL from outside) is the
   cause, reported as such, never the peers that lost their connection to it;
 - a rank whose heartbeat stops (ddpexp/heartbeat.py) is declared hung after dist.hang_timeout_s: its
@@ -45,7 +45,11 @@ class Interrupted(Exception):
     interrupted = True
 
     def __init__(self, code: int) -> None:
-        super().__init__(f"stopped by signal (exit {code})")
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = "signal"
+        super().__init__(f"stopped by {name} (exit {code})")
         self.code = code
 
 
@@ -54,10 +58,11 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Within the block SIGTERM raises `Interrupted` in the main thread, so the run unwinds through its
-    `finally` blocks and records itself as interrupted; the previous handler comes back afterwards."""
-    with handling((signal.SIGTERM,), _raise_interrupted):
+def sigterm_raises(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[None]:
+    """Within the block SIGTERM (or each of `signals`) raises `Interrupted` in the main thread, so the
+    run unwinds through its `finally` blocks and records itself as interrupted; the previous handlers
+    come back afterwards."""
+    with handling(signals, _raise_interrupted):
         yield
 
 
@@ -75,6 +80,10 @@ def signals_ignored() -> Iterator[None]:
 
 # trainer.checkpoint_on_signal: what Slurm (SIGTERM, --signal=USR1) and submitit (USR2) send.
 CHECKPOINT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# What stops a launcher's run from outside, each by its own name (a signal whose default action would
+# kill the launcher at once, leaving its run recorded as running): Ctrl-C, SIGTERM, a closed
+# terminal (SIGHUP), and SIGUSR1/SIGUSR2 when they are not asking for a checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, *CHECKPOINT_SIGNALS)
 PREEMPT_MARGIN_STEPS = 2  # a rank may finish one more step between the launcher's read and its write
 
 
@@ -198,12 +207,7 @@ class Supervisor:
         self._stop_decided = threading.Lock()
 
     def wait(self) -> int:
-        caught = (
-            (signal.SIGINT, *CHECKPOINT_SIGNALS)
-            if self.checkpoint_on_signal
-            else (signal.SIGINT, signal.SIGTERM)
-        )
-        handlers = {s: signal.signal(s, self._on_signal) for s in caught}
+        handlers = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             return self._loop()
         finally:

@@ -32,11 +32,19 @@ from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from ..config import StartMethod
+from .tether import TETHER_ENV
 
 # What the forkserver imports before forking workers: everything a worker needs before it trains.
 # torch._dynamo (~1.8 s) is imported by the first optimizer a worker builds (torch wraps
 # Optimizer.add_param_group in _disable_dynamo, and Optimizer.step imports it), so it belongs here too.
-PRELOAD = ["ddpexp.launch.worker", "ddpexp.train", "torch.utils.tensorboard", "torch._dynamo"]
+# ddpexp.launch.tether comes first: the server dies with this process even while it imports the rest.
+PRELOAD = [
+    "ddpexp.launch.tether",
+    "ddpexp.launch.worker",
+    "ddpexp.train",
+    "torch.utils.tensorboard",
+    "torch._dynamo",
+]
 
 _unclaimed: int | None = None  # the pid of a forkserver start_early started and no job claimed yet
 _to_finish: set[str] = set()  # what settle() found the jobs need warm: "forkserver", "in_process"
@@ -68,7 +76,7 @@ def start_early() -> None:
     resource_tracker.ensure_running()  # first: starting it unblocks SIGINT in this process again
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        forkserver.ensure_running()
+        _ensure_running()
         _unclaimed = _server()._forkserver_pid  # before a pending Ctrl-C arrives: release() sees it
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -87,8 +95,18 @@ def settle(method: StartMethod | None, *, in_process: bool = False) -> None:
         return
     _unclaimed = None
     forkserver_context()
-    forkserver.ensure_running()
+    _ensure_running()
     _to_finish.add("forkserver")
+
+
+def _ensure_running() -> None:
+    """Start the server if it is not running, tethered to this process (launch/tether.py): the server
+    inherits this environment, and only the server's start reads it."""
+    os.environ[TETHER_ENV] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(TETHER_ENV, None)
 
 
 def finish() -> None:

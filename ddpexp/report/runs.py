@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import fsutil
 from ..runrecord import METRICS_FILE, RunRecordError, finite_number, read_run_record, steady
 
 
@@ -109,13 +108,10 @@ def load_run(run_dir: Path, name: str) -> Run:
         return Run(name, run_dir, f"unreadable ({exc.kind})", {}, {}, {}, None)
     if record is None:  # gone since it was found
         return Run(name, run_dir, f"unreadable (no {METRICS_FILE})", {}, {}, {}, None)
-    status = record.status
-    if status == "running" and not (fsutil.held(run_dir) or fsutil.held(run_dir.parent)):
-        status = "crashed"  # no live ddpexp process holds its directory (or its sweep's)
     return Run(
         name,
         run_dir,
-        status,
+        record.status,  # `crashed` for a run left `running` by a process that is gone (runrecord)
         record.facts,
         record.final,
         record.best,
