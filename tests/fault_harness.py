@@ -48,7 +48,12 @@ class Watched:
     """A ddpexp command started in the background, with every process of its tree recorded."""
 
     def __init__(
-        self, cwd: Path, args: list[str], *, fault: str | None = None, torchrun: bool = False
+        self,
+        cwd: Path,
+        args: list[str],
+        *,
+        fault: str | None = None,
+        torchrun: bool = False,
     ) -> None:
         self.cwd = cwd
         self.port = free_port("127.0.0.1")
@@ -152,6 +157,13 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return p.cmdline()
     except psutil.Error:
         return []
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
 
 
 def last_checkpoint_step(run_dir: Path) -> int:
