@@ -54,6 +54,7 @@ class Watched:
         *,
         fault: str | None = None,
         torchrun: bool = False,
+        restarts: int = 1,  # torchrun's --max-restarts
     ) -> None:
         self.cwd = cwd
         self.port = free_port("127.0.0.1")
@@ -63,7 +64,7 @@ class Watched:
         if torchrun:
             prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
             cmd = [*prefix, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}"]
-            cmd += ["--max-restarts=1", "-m", "ddpexp", *args]
+            cmd += [f"--max-restarts={restarts}", "-m", "ddpexp", *args]
         else:
             cmd = [sys.executable, "-m", "ddpexp", *args, f"dist.master_port={self.port}"]
         self.started = time.time()

@@ -262,6 +262,27 @@ def test_a_killed_torchrun_agent_takes_its_workers_with_it(tmp_path: Path):
     run.assert_nothing_left()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_under_torchrun_a_rank_signalled_from_outside_is_what_metrics_json_blames(
+    tmp_path: Path, sig: signal.Signals
+):
+    """torchrun's summary names rank 1; metrics.json (which rank 0 writes, torchrun's agent watching)
+    named nobody and held rank 0's broken connection. Rank 0 now names the peer that ended first."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True, restarts=0)
+    run.wait_until_training()
+    os.kill(pid_of_rank(run, 1), sig)
+    code, _out, err = run.finish(timeout=90)
+    assert code != 0, err
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    if sig == signal.SIGTERM:  # its own handler recorded the stop before it left
+        blamed = ["rank 1: stopped by SIGTERM (not sent by ddpexp)"]
+    else:  # how it ended is for the OS to say, until torchrun's agent reaps it (within 0.1 s)
+        blamed = ["rank 1: failed: killed by SIGKILL", "rank 1: failed: ended without an error of its own"]
+    assert m["status"] == "failed" and any(m["error"].startswith(b) for b in blamed), m["error"]
+    assert f"ddpexp: {m['error'].replace('rank 1:', 'rank 1 of 2', 1)}" in err, err
+
+
 def test_sigterm_to_torchrun_records_the_run_as_interrupted(tmp_path: Path):
     """What Slurm sends on preemption or time-out: the workers stop and metrics.json says so."""
     run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True)
