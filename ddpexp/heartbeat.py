@@ -9,6 +9,8 @@ Each self-launched worker shares a tiny array with its launcher (shared memory, 
                 (trainer.checkpoint_on_signal: one step for every rank, so their saves match); -1
                 stop now, without a checkpoint (the launcher is stopping the run)
     [4] signal  the signal that asked for the stop at step S (the exit code is 128 + it)
+    [5] forwards  training forwards that returned so far: a rank stuck in its own forward has fewer
+                than its peers, which passed theirs and wait for it in the gradients' collective
 The engine beats after every batch. The supervisor (launch/supervise.py) declares a rank hung when
 its beats have not moved for dist.hang_timeout_s, or, before the first beat (start-up, data, resume)
 and while slow, for dist.timeout_s. A worker with no launcher watching (torchrun) gets a heartbeat
@@ -22,8 +24,8 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-BEATS, STEP, SLOW, STOP, SIGNAL = range(5)
-SIZE = 5
+BEATS, STEP, SLOW, STOP, SIGNAL, FORWARDS = range(6)
+SIZE = 6
 STOP_NOW = -1
 
 
@@ -89,6 +91,11 @@ class Heartbeat:
             cell[BEATS] += 1
             cell[STEP] = step
 
+    def forward_done(self) -> None:
+        cell = self._cell
+        if cell is not None:
+            cell[FORWARDS] += 1
+
     @contextlib.contextmanager
     def slow(self) -> Iterator[None]:
         """A phase that may take long without beating (a checkpoint of a large model)."""
@@ -119,6 +126,12 @@ class Pulse:
     @property
     def step(self) -> int:
         return int(self.cell[STEP])
+
+    @property
+    def progress(self) -> float:
+        """Batches done and forwards returned: of ranks that stopped together, the one with the least
+        progress stopped on its own; the others wait in a collective for it."""
+        return self.cell[BEATS] + self.cell[FORWARDS]
 
     def request_stop(self, value: int, signum: int = 0) -> None:
         _write_stop(self.cell, value, signum)

@@ -48,7 +48,13 @@ class Watched:
     """A ddpexp command started in the background, with every process of its tree recorded."""
 
     def __init__(
-        self, cwd: Path, args: list[str], *, fault: str | None = None, torchrun: bool = False
+        self,
+        cwd: Path,
+        args: list[str],
+        *,
+        fault: str | None = None,
+        torchrun: bool = False,
+        restarts: int = 1,  # torchrun's --max-restarts
     ) -> None:
         self.cwd = cwd
         self.port = free_port("127.0.0.1")
@@ -58,7 +64,7 @@ class Watched:
         if torchrun:
             prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
             cmd = [*prefix, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}"]
-            cmd += ["--max-restarts=1", "-m", "ddpexp", *args]
+            cmd += [f"--max-restarts={restarts}", "-m", "ddpexp", *args]
         else:
             cmd = [sys.executable, "-m", "ddpexp", *args, f"dist.master_port={self.port}"]
         self.started = time.time()
@@ -152,6 +158,13 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return p.cmdline()
     except psutil.Error:
         return []
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
 
 
 def last_checkpoint_step(run_dir: Path) -> int:

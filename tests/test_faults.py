@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import metrics, run_ddpexp, scalars
+from .conftest import REPO, metrics, run_ddpexp, run_here, scalars
 from .fault_harness import (
     LONG,
     Watched,
+    _cmdline,
+    _name,
     _nothing_outlives_its_test,  # noqa: F401  (autouse: kills what a case left running)
     last_checkpoint_step,
     pid_of_rank,
@@ -84,6 +86,122 @@ def test_a_hung_rank_is_caught_in_seconds_blamed_and_its_stack_logged(tmp_path: 
     log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
     assert "most recent call first" in log and "engine.py" in log  # faulthandler's dump of the stack
     assert metrics(tmp_path / "run")["status"] == "failed"
+
+
+# A model whose own forward goes wrong on rank 1 (tests/user_models.py), trained as LONG trains.
+# (--config-dir goes first: Hydra reads options before overrides)
+MISBEHAVING = [
+    "--config-dir",
+    str(REPO / "tests" / "conf"),
+    "model=misbehaving",
+    *[a for a in LONG if not a.startswith("model=")],
+]
+
+
+def test_a_rank_hung_in_its_own_python_code_is_blamed_not_the_peer_waiting_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Rank 1's forward never returns (a deadlock in the model's code) while rank 0 waits for it in
+    the gradients' all-reduce: both heartbeats stop at the same batch, and the rank still inside its
+    forward is the one blamed. Every rank's stack is in its log, so the wait is seen from both sides."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the workers import tests.user_models
+    run = Watched(tmp_path, [*MISBEHAVING, "strategy=ddp", "model.action=hang", "dist.hang_timeout_s=5"])
+    code, _out, err = run.finish(timeout=120)
+    assert code == 1, err
+    first = err.splitlines()[0]
+    assert first.startswith("ddpexp: rank 1 of 2 hung at step "), err
+    assert "its stack is in logs/rank1.log" in first, first
+    run.assert_nothing_left()
+    logs = tmp_path / "run" / "logs"
+    hung, waiting = (logs / "rank1.log").read_text(), (logs / "rank0.log").read_text()
+    assert "most recent call first" in hung and "user_models.py" in hung, hung[-3000:]
+    assert "most recent call first" in waiting, waiting[-3000:]
+    assert metrics(tmp_path / "run")["error"].startswith("rank 1: hung at step "), metrics(tmp_path / "run")
+
+
+def test_a_rank_that_exits_without_raising_is_blamed_with_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """os._exit(3) in rank 1's forward (no exception, no error record): its peer's "Connection reset
+    by peer" is the echo; rank 1 and its exit code are the cause."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    run = Watched(tmp_path, [*MISBEHAVING, "strategy=ddp", "model.action=exit"])
+    code, _out, err = run.finish(timeout=120)
+    assert code == 1, err
+    assert err.splitlines()[0] == "ddpexp: rank 1 of 2 failed: exited with code 3", err
+    run.assert_nothing_left()
+    assert metrics(tmp_path / "run")["error"] == "rank 1: failed: exited with code 3"
+
+
+def test_a_killed_forkserver_is_named_not_a_rank(tmp_path: Path):
+    """SIGKILL to the forkserver the workers were forked from: every rank dies with it (their parent),
+    and multiprocessing reports each as "exit code 255". The report names what died."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG])
+    run.wait_until_training()
+    # (its workers are forked from it: they share its command line, under a name of their own)
+    (server,) = [
+        p
+        for p in list(run.seen.values())
+        if "forkserver" in " ".join(_cmdline(p)) and not _name(p).startswith("ddpexp-")
+    ]
+    server.kill()
+    code, _out, err = run.finish(timeout=60)
+    assert code == 1, err
+    first = err.splitlines()[0]
+    assert (
+        first
+        == f"ddpexp: the workers' forkserver (pid {server.pid}) was killed by SIGKILL, and every rank with it"
+    ), err
+    assert "rank 0 of 2" not in err and "rank 1 of 2" not in err, err
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "failed" and m["error"] == f"forkserver (pid {server.pid}): killed by SIGKILL", m
+
+
+# A short ddp run, checkpointed every 2 steps; its model is given by each test.
+SHORT = [
+    "strategy=ddp",
+    "data=synthetic",
+    "trainer.progress=false",
+    "trainer.max_steps=8",
+    "checkpoint.every_steps=2",
+    "hydra.run.dir=run",
+]
+
+
+def test_an_earlier_commands_error_record_is_not_taken_for_this_ones_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The first command fails on rank 1 (an exception: it leaves an error record); the same run
+    resumed fails on rank 1 again, this time by exiting without a word: the report gives this
+    failure, not the earlier command's record."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the workers import tests.user_models
+    args = [*MISBEHAVING[:3], *SHORT, "model.action=exit"]
+    monkeypatch.setenv("DDPEXP_FAULT", "rank1:step3:raise")
+    first = run_here(tmp_path, *args, "model.at_call=1000")
+    assert first.returncode == 1 and "rank 1 of 2 failed: InjectedFault" in first.stderr, first
+    monkeypatch.delenv("DDPEXP_FAULT")
+    again = run_here(tmp_path, *args, "model.at_call=2", "trainer.resume=auto")
+    assert again.returncode == 1, again
+    assert again.stderr.splitlines()[0] == "ddpexp: rank 1 of 2 failed: exited with code 3", again
+    assert "InjectedFault" not in again.stderr, again
+    assert metrics(tmp_path / "run")["error"] == "rank 1: failed: exited with code 3"
+
+
+def test_a_stops_summary_shows_only_this_attempts_lines_of_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A rank's log is appended to by every attempt; the summary of a failure quotes this attempt's
+    lines only, never the traceback an earlier one left above them."""
+    monkeypatch.setenv("DDPEXP_FAULT", "rank1:step3:raise")
+    first = run_here(tmp_path, *SHORT, "model=mlp")
+    assert first.returncode == 1 and "Traceback" in first.stderr, first
+    monkeypatch.setenv("DDPEXP_FAULT", "rank1:step5:kill")
+    again = run_here(tmp_path, *SHORT, "model=mlp", "trainer.resume=auto")
+    assert again.returncode == 1, again
+    assert again.stderr.splitlines()[0] == "ddpexp: rank 1 of 2 failed: killed by SIGKILL", again
+    assert "injecting kill on rank 1 at step 5" in again.stderr  # this attempt's lines are shown
+    assert "Traceback" not in again.stderr and "InjectedFault" not in again.stderr, again.stderr
 
 
 def test_a_kill_while_saving_leaves_the_previous_checkpoint_and_resume_continues(tmp_path: Path):
@@ -188,6 +306,27 @@ def assert_reads_crashed(run_dir: Path, *, owner: int) -> None:
     assert f"pid {owner} on " in (record.error or "")
     assert api.Result.read(run_dir, exit_code=-9).status == "crashed"
     assert report.load_run(run_dir, "run").status == "crashed"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_under_torchrun_a_rank_signalled_from_outside_is_what_metrics_json_blames(
+    tmp_path: Path, sig: signal.Signals
+):
+    """torchrun's summary names rank 1; metrics.json (which rank 0 writes, torchrun's agent watching)
+    named nobody and held rank 0's broken connection. Rank 0 now names the peer that ended first."""
+    run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True, restarts=0)
+    run.wait_until_training()
+    os.kill(pid_of_rank(run, 1), sig)
+    code, _out, err = run.finish(timeout=90)
+    assert code != 0, err
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    if sig == signal.SIGTERM:  # its own handler recorded the stop before it left
+        blamed = ["rank 1: stopped by SIGTERM (not sent by ddpexp)"]
+    else:  # how it ended is for the OS to say, until torchrun's agent reaps it (within 0.1 s)
+        blamed = ["rank 1: failed: killed by SIGKILL", "rank 1: failed: ended without an error of its own"]
+    assert m["status"] == "failed" and any(m["error"].startswith(b) for b in blamed), m["error"]
+    assert f"ddpexp: {m['error'].replace('rank 1:', 'rank 1 of 2', 1)}" in err, err
 
 
 def test_sigterm_to_torchrun_records_the_run_as_interrupted(tmp_path: Path):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ddpexp.heartbeat import BEATS, SLOW, Heartbeat, Pulse
+from ddpexp.heartbeat import BEATS, SIZE, SLOW, Heartbeat, Pulse
 from ddpexp.launch.supervise import Supervisor, Watch, Worker
 
 
@@ -18,7 +19,7 @@ class _Running:
 
 
 def _workers(n: int) -> tuple[list[Worker], list[list[float]]]:
-    cells = [[0.0, 0.0, 0.0] for _ in range(n)]
+    cells = [[0.0] * SIZE for _ in range(n)]
     workers = [
         Worker(rank=r, proc=_Running(2**22 + r), log_path=Path(f"/x/logs/rank{r}.log"), pulse=Pulse(c, 0.0))
         for r, c in enumerate(cells)
@@ -41,6 +42,20 @@ def test_the_rank_whose_heartbeat_stopped_first_is_the_hung_one():
     assert sup._hung(workers, now=10.5) is None  # rank 1 quiet for 9.5 s: not yet
     hang = sup._hung(workers, now=11.5)
     assert hang is not None and hang.worker.rank == 1 and hang.step == 5 and hang.quiet_s == 10.5
+
+
+def test_of_ranks_that_stopped_together_the_one_still_in_its_own_forward_is_the_hung_one():
+    """Rank 1's forward never returns; rank 0 passed its forward and waits for rank 1 in the gradients'
+    all-reduce. Their last beats came together (rank 0's seen first, even), yet rank 1 is the one."""
+    workers, cells = _workers(2)
+    sup = _supervisor(workers)
+    Heartbeat(cells[0]).beat(4)
+    Heartbeat(cells[0]).forward_done()
+    sup._hung(workers, now=0.0)
+    Heartbeat(cells[1]).beat(4)
+    sup._hung(workers, now=0.5)
+    hang = sup._hung(workers, now=11.0)
+    assert hang is not None and hang.worker.rank == 1
 
 
 def test_start_up_and_checkpoints_get_patience_not_the_hang_timeout():
@@ -66,9 +81,38 @@ def test_the_report_names_the_hung_rank_its_step_and_its_log(tmp_path: Path):
         Heartbeat(cell).beat(56)
     sup._hung(workers, now=0.0)
     sup.hang = sup._hung(workers, now=12.0)
-    rank, summary, _detail, user_error = sup._root_cause()
-    assert (rank, user_error) == (0, False)
-    assert summary == "hung at step 57 (no progress for 12 s); its stack is in logs/rank0.log"
+    cause = sup._root_cause()
+    assert (cause.who, cause.user_error) == ("rank 0", False)
+    assert cause.summary == (
+        "hung at step 57 (no progress for 12 s); its stack is in logs/rank0.log, its peers' in theirs"
+    )
+
+
+class _Exited:
+    def __init__(self, pid: int, code: int) -> None:
+        self.pid = pid
+        self.returncode = code
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_a_rank_that_exits_without_a_record_is_the_cause_not_the_peer_that_recorded_the_reset(tmp_path: Path):
+    """Rank 1 leaves by os._exit(3); rank 0's collective fails with "Connection reset by peer" and it
+    records that (before the launcher, polling, has even seen rank 1 go). Rank 1 is the cause."""
+    from ddpexp.launch.supervise import error_file
+
+    workers = [
+        Worker(rank=r, proc=_Exited(2**22 + r, code), log_path=tmp_path / f"rank{r}.log", exit_time=t)
+        for r, (code, t) in enumerate([(1, 10.05), (3, 10.05)])
+    ]
+    error_file(tmp_path, 0).parent.mkdir()
+    reset = {"rank": 0, "time": 10.01, "type": "RuntimeError", "message": "Connection reset by peer"}
+    error_file(tmp_path, 0).write_text(json.dumps({**reset, "user_error": False, "traceback": ""}))
+    sup = Supervisor(tmp_path, workers, facts={})
+    sup.stopping_since = 10.06
+    cause = sup._root_cause()
+    assert (cause.who, cause.summary) == ("rank 1", "failed: exited with code 3")
 
 
 def test_a_second_sigterm_inside_the_first_s_handler_cannot_give_ranks_different_stop_steps(capsys):

@@ -1,8 +1,12 @@
-"""A model as a user would write one: no stages(), so model parallelism cannot split it."""
+"""Models as a user would write them: `unsplittable` has no stages(), so model parallelism cannot split
+it; `misbehaving` (tests/conf/model/misbehaving.yaml) goes wrong inside its own forward on one rank, as
+a user's code can, without any help from ddpexp's fault injection."""
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 
 import torch
 from torch import nn
@@ -34,3 +38,32 @@ class Tied(nn.Module):
 
 def tied(*, num_classes: int, input_shape: list[int]) -> nn.Module:
     return Tied(num_classes=num_classes, input_shape=input_shape)
+
+
+class Misbehaving(nn.Module):
+    """A linear model whose training forward number `at_call` on rank `rank` does `action`: `hang`
+    (waits for an event nobody sets, as a deadlock does) or `exit` (os._exit(3), as a C extension
+    that calls exit() does: no exception, no Python cleanup)."""
+
+    def __init__(self, *, num_classes: int, input_shape: list[int], rank: int, at_call: int, action: str):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+        self.rank, self.at_call, self.action = rank, at_call, action
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and os.environ.get("RANK") == str(self.rank):
+            self.calls += 1
+            if self.calls == self.at_call:
+                if self.action == "exit":
+                    os._exit(3)
+                threading.Event().wait()
+        return self.body(x)
+
+
+def misbehaving(
+    *, num_classes: int, input_shape: list[int], rank: int, at_call: int, action: str
+) -> nn.Module:
+    return Misbehaving(
+        num_classes=num_classes, input_shape=input_shape, rank=rank, at_call=at_call, action=action
+    )

@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # kept light: the command line imports launch.torchrun before
 
 def run(job: Job) -> int:
     """Run one job to its exit code, the way its plan says."""
+    from .supervise import set_aside_errors
+
+    set_aside_errors(job.run_dir)  # an earlier command's records (a resumed run) explain nothing now
     if job.plan.launcher == "torchrun":
         from .torchrun import lead
 

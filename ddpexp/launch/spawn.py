@@ -29,8 +29,8 @@ from ..errors import UserError
 from ..heartbeat import Pulse, shared_cell
 from ..job import Job
 from . import rendezvous
-from .supervise import Supervisor, Watch, Worker
-from .warmup import callers_script_hidden, forkserver_context
+from .supervise import Supervisor, Watch, Worker, set_aside_errors
+from .warmup import callers_script_hidden, forkserver_context, server_pid
 from .worker import INIT_URL_ENV, WorkerSpec, forked_main
 
 
@@ -59,7 +59,7 @@ def spawn(job: Job, *, node_rank: int = 0) -> int:
             file=sys.stderr,
             flush=True,
         )
-        _archive_errors(job.run_dir, attempt - 1)
+        set_aside_errors(job.run_dir)
 
 
 def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
@@ -112,16 +112,11 @@ def _spawn_attempt(job: Job, attempt: int, node_rank: int) -> int:
             records=leads,
             watch=watch,
             checkpoint_on_signal=job.checkpoint_on_signal,
+            forkserver=server_pid() if StartMethod(cfg.dist.start_method) == StartMethod.forkserver else None,
         ).wait()
     finally:
         if job.plan.init == "file" and leads:
             rendezvous_file.unlink(missing_ok=True)
-
-
-def _archive_errors(run_dir: Path, attempt: int) -> None:
-    """A failed attempt's error records move aside, so the next attempt's root cause is its own."""
-    for path in (run_dir / "logs").glob("rank*.error.json"):
-        path.rename(path.with_name(path.name.replace(".error.json", f".attempt{attempt}.error.json")))
 
 
 def _start_worker(
@@ -129,6 +124,7 @@ def _start_worker(
 ) -> Worker:
     env = {**common, "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
     log_path = logs / f"rank{rank}.log"
+    log_from = log_path.stat().st_size if log_path.exists() else 0
     reader, writer = ctx.Pipe(duplex=False) if rank == 0 else (None, None)
     cell = shared_cell(ctx)
     spec = WorkerSpec(rank=rank, env=env, log_path=str(log_path), console=writer, job=job, heartbeat=cell)
@@ -145,7 +141,8 @@ def _start_worker(
         writer.close()  # the worker holds its own copy; the pipe ends when the worker does
         tee = threading.Thread(target=_tee, args=(reader, log_path), name=f"tee-rank{rank}", daemon=True)
         tee.start()
-    return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee, pulse=Pulse(cell, time.time()))
+    pulse = Pulse(cell, time.time())
+    return Worker(rank=rank, proc=_Proc(proc), log_path=log_path, tee=tee, pulse=pulse, log_from=log_from)
 
 
 def _names_main(config: Any) -> bool:

@@ -7,8 +7,13 @@ Supervision is what keeps a distributed run from hanging or leaking processes:
   (SIGTERM, then SIGKILL after a grace period) and exits 128 + the signal (130 / 143 ...);
 - a worker ended by a signal the launcher did not send (SIGTERM, SIGINT, SIGKILL from outside) is the
   cause, reported as such, never the peers that lost their connection to it;
-- a rank whose heartbeat stops (ddpexp/heartbeat.py) is declared hung after dist.hang_timeout_s: its
-  stack goes to its log (faulthandler, on STACK_SIGNAL), the run stops and names it.
+- a worker that exits without an error record (os._exit, exit() in an extension) is the cause, with
+  its exit code, never the peer whose connection it reset;
+- a rank whose heartbeat stops (ddpexp/heartbeat.py) is declared hung after dist.hang_timeout_s: of
+  the ranks that stopped together, the one that made the least progress (still in its forward while
+  its peers wait in a collective for it); every rank's stack goes to its log (faulthandler, on
+  STACK_SIGNAL), the run stops and names it;
+- the forkserver the workers are forked from, if it dies, takes every worker with it: it is named.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -30,6 +36,7 @@ from typing import Any, Protocol
 from ..errors import UserError
 from ..heartbeat import STOP_NOW, Heartbeat, Pulse
 from ..recorder import METRICS_FILE, finish_metrics
+from .procstat import how_it_ended, is_stopped, start_time
 
 POLL_S = 0.05
 GRACE_S = 5.0
@@ -136,6 +143,22 @@ def error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "logs" / f"rank{rank}.error.json"
 
 
+def set_aside_errors(run_dir: Path) -> None:
+    """The error records an earlier attempt left (a restarted group's, or an earlier command's in this
+    run dir) move aside to rank<N>.attempt<K>.error.json, K the first free number: a failure is
+    explained by its own attempt's records only."""
+    logs = run_dir / "logs"
+    for path in sorted(logs.glob("rank*.error.json")):
+        m = re.fullmatch(r"rank(\d+)\.error\.json", path.name)
+        if m is None:
+            continue
+        k = 0
+        while (aside := logs / f"rank{m[1]}.attempt{k}.error.json").exists():
+            k += 1
+        with contextlib.suppress(FileNotFoundError):  # another node's launcher, on a shared disk
+            path.rename(aside)
+
+
 class Child(Protocol):
     """The members of a child process the supervisor uses (subprocess.Popen has them too)."""
 
@@ -155,6 +178,7 @@ class Worker:
     exit_time: float | None = None
     tee: threading.Thread | None = None  # copies rank 0's output to the console as it comes
     pulse: Pulse | None = None  # its heartbeat, when the launcher watches for hangs
+    log_from: int = 0  # where this attempt's lines begin in its log (every attempt appends to it)
 
 
 @dataclass(frozen=True)
@@ -180,6 +204,17 @@ class Hang:
     quiet_s: float
 
 
+@dataclass(frozen=True)
+class Cause:
+    """What the report blames: `who` ("rank 1", or a process of the launcher's side) and how it failed."""
+
+    who: str
+    summary: str  # "failed: ...", "stopped by ...", "hung at ..."
+    detail: str = ""
+    user_error: bool = False
+    line: str = ""  # the console's line, where "<who> of <world size> <summary>" does not fit
+
+
 class Supervisor:
     def __init__(
         self,
@@ -190,6 +225,7 @@ class Supervisor:
         records: bool = True,
         watch: Watch | None = None,
         checkpoint_on_signal: bool = False,
+        forkserver: int | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.workers = workers
@@ -200,6 +236,9 @@ class Supervisor:
         self.stopping_since: float | None = None
         self.hang: Hang | None = None
         self.checkpoint_on_signal = checkpoint_on_signal
+        # The pid of the forkserver the workers were forked from (their parent): if it dies, they do.
+        self.forkserver = forkserver
+        self.forkserver_started = start_time(forkserver) if forkserver is not None else None
         self.preempt: Preempt | None = None  # a checkpoint-then-stop under way
         # Taken by the first checkpoint signal, never released: the stop step is decided once, even
         # when the next signal of a burst runs the handler again inside itself (Python allows that;
@@ -260,7 +299,7 @@ class Supervisor:
             if failed is None and self.signal_received is None and self.hang is None:
                 self.hang = self._hung(running, now)
                 if self.hang is not None:
-                    self._dump_stack(self.hang.worker)
+                    self._dump_stacks(running)
                     failed = self.hang.worker
             if self.preempt is not None and now - self.preempt.since > self._preempt_patience():
                 self.signal_received = self.preempt.signum  # the checkpoint never came: stop now
@@ -289,7 +328,9 @@ class Supervisor:
     def _hung(self, running: list[Worker], now: float) -> Hang | None:
         """The rank to blame when some rank's heartbeat has stopped for longer than allowed. Its peers
         soon stop too (they wait for it in a collective), so: a rank the OS shows as stopped (SIGSTOP,
-        a debugger) if any; else the one whose heartbeat stopped first."""
+        a debugger) if any; else the one that made the least progress (a rank stuck in its forward has
+        not reached the collective its peers wait in: they are a phase ahead of it, see
+        Heartbeat.forward_done); among equals, the one whose heartbeat stopped first."""
         if self.watch is None:
             return None
         pulses = [(w, w.pulse) for w in running if w.pulse is not None]
@@ -300,19 +341,20 @@ class Supervisor:
         if not quiet:
             return None
         # Stopped by the OS: hung whatever phase it was in (start-up and checkpoints get patience_s).
-        stopped = [(w, p) for w, p in quiet if _is_stopped(w.proc.pid)]
+        stopped = [(w, p) for w, p in quiet if is_stopped(w.proc.pid)]
         if not stopped and not any(p.quiet_for(now) > p.limit(hang_s, patience_s) for _, p in quiet):
             return None
-        w, pulse = stopped[0] if stopped else min(pulses, key=lambda wp: (wp[1].changed_at, wp[1].beats))
+        w, pulse = stopped[0] if stopped else min(pulses, key=lambda wp: (wp[1].progress, wp[1].changed_at))
         return Hang(worker=w, step=pulse.step + 1, quiet_s=pulse.quiet_for(now))
 
-    def _dump_stack(self, w: Worker) -> None:
-        """Ask the hung rank for its Python stack (a stopped one is continued to answer), then give it
-        a moment to write it."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(w.proc.pid, STACK_SIGNAL)
-            os.kill(w.proc.pid, signal.SIGCONT)
-            time.sleep(STACK_WAIT_S)
+    def _dump_stacks(self, running: list[Worker]) -> None:
+        """Ask every rank for its Python stack (a stopped one is continued to answer), then give them
+        a moment to write them: the hung rank's shows where it is stuck, its peers' where they wait."""
+        for w in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(w.proc.pid, STACK_SIGNAL)
+                os.kill(w.proc.pid, signal.SIGCONT)
+        time.sleep(STACK_WAIT_S)
 
     def _kill_all(self, sig: int) -> None:
         for w in self.workers:
@@ -321,14 +363,14 @@ class Supervisor:
                     os.killpg(w.proc.pid, sig)
 
     def _report_failure(self) -> int:
-        rank, summary, detail, user_error = self._root_cause()
+        cause = self._root_cause()
         world = self.facts.get("world_size", len(self.workers))  # every node's ranks
-        if user_error:
-            print(f"ddpexp: error: {summary}", file=sys.stderr)
+        if cause.user_error:
+            print(f"ddpexp: error: {cause.summary}", file=sys.stderr)
         else:
-            print(f"ddpexp: rank {rank} of {world} {summary}", file=sys.stderr)
-            if detail:
-                print(detail.rstrip(), file=sys.stderr)
+            print(f"ddpexp: {cause.line or f'{cause.who} of {world} {cause.summary}'}", file=sys.stderr)
+            if cause.detail:
+                print(cause.detail.rstrip(), file=sys.stderr)
             logs = self.run_dir / "logs"
             print(f"ddpexp: the other ranks were stopped; every rank's log is in {logs}", file=sys.stderr)
             if world != len(self.workers):  # dist.nnodes > 1: peers broken by a remote failure look alike
@@ -336,8 +378,8 @@ class Supervisor:
                     "ddpexp: a rank on another node may have failed first (see its log there)",
                     file=sys.stderr,
                 )
-        self._finish_metrics("failed", f"rank {rank}: {summary}")
-        return UserError.exit_code if user_error else 1
+        self._finish_metrics("failed", f"{cause.who}: {cause.summary}")
+        return UserError.exit_code if cause.user_error else 1
 
     def _finish_metrics(self, status: str, error: str) -> None:
         """metrics.json says how the run ended; where it cannot be written (a full disk), the launcher
@@ -351,65 +393,71 @@ class Supervisor:
             path = self.run_dir / METRICS_FILE
             print(f"ddpexp: {problem}: could not record that the run {status} in {path}", file=sys.stderr)
 
-    def _root_cause(self) -> tuple[int, str, str, bool]:
-        """Which rank failed first, and how ("failed: ...", "stopped by ...", "hung at ..."). A hung
-        rank is the cause; so is a rank ended by a signal nobody here sent (its peers only see it as a
-        broken connection): killed outright, or stopped through its SIGTERM/SIGINT handling (exit
-        143/130). Otherwise the earliest error record wins. Ranks that died after the supervisor began
-        stopping them were stopped by it (a rank already on its way out when the SIGTERM came dies
-        of it), so they are never the cause."""
+    def _root_cause(self) -> Cause:
+        """Which rank failed first, and how ("failed: ...", "stopped by ...", "hung at ..."). A dead
+        forkserver took every worker with it. A hung rank is the cause; so is a rank that ended without
+        an error record (its peers only see a broken connection): killed by a signal nobody here sent,
+        stopped through its SIGTERM/SIGINT handling (exit 143/130), or gone by os._exit. Otherwise the
+        earliest error record wins. Ranks that died after the supervisor began stopping them were
+        stopped by it (a rank already on its way out when the SIGTERM came dies of it), so they are
+        never the cause."""
+        if self.forkserver is not None:
+            how = how_it_ended(self.forkserver, self.forkserver_started)
+            if how is not None:
+                said = f"was {how}" if how.startswith("killed") else how
+                who = f"forkserver (pid {self.forkserver})"
+                return Cause(who, how, line=f"the workers' {who} {said}, and every rank with it")
         if self.hang is not None:
             h = self.hang
             log = h.worker.log_path.relative_to(self.run_dir)
-            return (
-                h.worker.rank,
-                f"hung at step {h.step} (no progress for {h.quiet_s:.0f} s); its stack is in {log}",
-                "",
-                False,
+            return Cause(
+                f"rank {h.worker.rank}",
+                f"hung at step {h.step} (no progress for {h.quiet_s:.0f} s); its stack is in {log}, "
+                "its peers' in theirs",
             )
-        stop = self.stopping_since if self.stopping_since is not None else float("inf")
-        by_signal = [
-            w
-            for w in self.workers
-            if w.proc.returncode is not None
-            and (w.proc.returncode < 0 or w.proc.returncode in SIGNAL_EXITS)
-            and (w.exit_time or 0.0) <= stop
-        ]
-        if by_signal:
-            w = min(by_signal, key=lambda w: w.exit_time or 0.0)
-            code = w.proc.returncode or 0
-            if code < 0:
-                return w.rank, f"failed: killed by {signal.Signals(-code).name}", tail(w.log_path), False
-            name = SIGNAL_EXITS[code].name
-            return w.rank, f"stopped by {name} (not sent by ddpexp)", tail(w.log_path), False
-        records = []
+        records = {}
         for w in self.workers:
             path = error_file(self.run_dir, w.rank)
             if path.exists():
-                records.append(json.loads(path.read_text()))
+                records[w.rank] = json.loads(path.read_text())
+        stop = self.stopping_since if self.stopping_since is not None else float("inf")
+        preempted = 128 + self.preempt.signum if self.preempt is not None else None
+        unexplained = [
+            w
+            for w in self.workers
+            if w.proc.returncode not in (None, 0, preempted)
+            and (w.proc.returncode < 0 or w.proc.returncode in SIGNAL_EXITS or w.rank not in records)
+            and (w.exit_time or 0.0) <= stop
+        ]
+        if unexplained:
+            w = min(unexplained, key=lambda w: w.exit_time or 0.0)
+            code = w.proc.returncode or 0
+            if code < 0:
+                summary = f"failed: killed by {signal.Signals(-code).name}"
+            elif code in SIGNAL_EXITS:
+                summary = f"stopped by {SIGNAL_EXITS[code].name} (not sent by ddpexp)"
+            else:
+                summary = f"failed: exited with code {code}"
+            return Cause(f"rank {w.rank}", summary, tail(w.log_path, start=w.log_from))
         if records:
-            r = min(records, key=lambda r: r["time"])
-            return (
-                r["rank"],
+            r = min(records.values(), key=lambda r: r["time"])
+            return Cause(
+                f"rank {r['rank']}",
                 f"failed: {r['type']}: {r['message']}" if not r["user_error"] else r["message"],
                 r["traceback"],
                 r["user_error"],
             )
         w = min((w for w in self.workers if w.proc.returncode), key=lambda w: w.exit_time or 0.0)
-        return w.rank, f"failed: exited with code {w.proc.returncode}", tail(w.log_path), False
+        summary = f"failed: exited with code {w.proc.returncode}"
+        return Cause(f"rank {w.rank}", summary, tail(w.log_path, start=w.log_from))
 
 
-def _is_stopped(pid: int) -> bool:
-    """Whether the OS shows the process as stopped (SIGSTOP, job control, a tracer)."""
+def tail(path: Path, lines: int = 30, *, start: int = 0) -> str:
+    """The last `lines` lines of a log from byte `start` on (where this attempt's lines begin)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] in "Tt"
-
-
-def tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -5,6 +5,11 @@ job to every other rank ("followers") through torchrun's rendezvous store, so th
 and one run directory however many ranks and nodes there are. torchrun keeps its store across
 --max-restarts, so a restarted rank 0 takes the job it already published and the run continues.
 
+torchrun's agent, not ddpexp, watches the workers; when rank 0 fails because a peer ended (killed, or
+stopped by a signal from outside), rank 0 only sees a broken connection. Every rank says in the store
+where it runs, so that rank 0 can then name the peer that ended first in metrics.json and on the
+console (`blame_a_peer`; peers on other machines cannot be seen from rank 0's).
+
 torch.distributed.launch (deprecated upstream, still in many tutorials) starts workers the same way
 and also passes `--local-rank=N` on their command line: `take_local_rank` takes it out before Hydra
 reads the arguments. The command line imports this module before `--help`, so it stays light: torch
@@ -16,6 +21,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
+import socket
+import sys
+import time
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -23,9 +32,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..job import Job
 
 JOB_KEY = "ddpexp/job"
+PEER_KEY = "ddpexp/peer"  # /<restart>/<rank>: where that rank runs (host, pid, start time)
+PEER_WAIT_S = 2.0  # how long rank 0 looks for a peer that ended, once it has failed itself
 STORE_TIMEOUT_S = 900.0
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")  # torch >= 2.0 passes the first, older ones the second
@@ -118,34 +131,120 @@ def publish_error(exc: UserError) -> None:
 
 def lead(job: Job) -> int:
     """Rank 0 under torchrun: hand the job to the other ranks, then train as rank 0."""
-    from ..context import RunContext
     from .supervise import sigterm_raises
-    from .worker import configure_process, execute, exit_with_parent, run_guarded
+    from .worker import exit_with_parent
 
     exit_with_parent(os.getppid())  # the agent: never train on as its orphan
     with sigterm_raises():
+        since = time.time()
         store = _store()
+        _announce(store)
         store.set(JOB_KEY, json.dumps(job.to_dict()))
-        ctx = RunContext.for_process(job)
-        configure_process(ctx, console=True)
-        return run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx)
+        return _train(job, store, since=since)
 
 
 def follow() -> int:
     """Ranks other than 0 under torchrun: wait for rank 0's resolved job (never call Hydra)."""
-    from ..context import RunContext
     from ..job import Job
     from .supervise import sigterm_raises
-    from .worker import configure_process, execute, exit_with_parent, run_guarded
+    from .worker import exit_with_parent
 
     exit_with_parent(os.getppid())  # the agent: never train on as its orphan
     with sigterm_raises():
+        since = time.time()
         store = _store()
+        _announce(store)
         store.wait([JOB_KEY], timedelta(seconds=STORE_TIMEOUT_S))
         payload = json.loads(store.get(JOB_KEY))
         if "error" in payload:
             return UserError.exit_code  # rank 0 printed the reason
-        job = Job.from_dict(payload)
-        ctx = RunContext.for_process(job)
-        configure_process(ctx, console=ctx.is_main)
-        return run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx)
+        return _train(Job.from_dict(payload), store, since=since)
+
+
+def _train(job: Job, store: Any, *, since: float) -> int:
+    from ..context import RunContext
+    from .supervise import signals_ignored
+    from .worker import configure_process, execute, run_guarded
+
+    ctx = RunContext.for_process(job)
+    configure_process(ctx, console=ctx.is_main)
+    code = run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx, record_stops=True)
+    if ctx.is_main and code not in (0, UserError.exit_code):
+        with signals_ignored():  # the agent's SIGTERM, sent once a peer has ended, must not cut it short
+            blame_a_peer(job, store, since=since)
+    return code
+
+
+def _announce(store: Any) -> None:
+    """Where this rank runs, for rank 0 to tell a peer that ended from one that still runs."""
+    from .procstat import start_time
+
+    pid = os.getpid()
+    where = {"host": socket.gethostname(), "pid": pid, "started": start_time(pid)}
+    store.set(f"{PEER_KEY}/{_restart()}/{os.environ['RANK']}", json.dumps(where))
+
+
+def _restart() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
+    """Rank 0 failed: if a peer on this machine ended before it (killed, stopped by a signal from
+    outside, exited, or failed with an error of its own earlier), that peer is the run's cause, not
+    rank 0's broken connection to it. metrics.json's error and the console name it; torchrun's own
+    summary says the same only in the agent's output."""
+    from ..recorder import finish_metrics
+    from ..runrecord import read_run_record_or_none
+    from .procstat import how_it_ended
+
+    record = read_run_record_or_none(job.run_dir)
+    if record is None or record.status != "failed" or record.started_at is None:
+        return  # interrupted or preempted: no peer's doing
+    failed_at = record.started_at + (record.wall_s or 0.0)  # when rank 0's run recorded its failure
+    host, world = socket.gethostname(), int(os.environ["WORLD_SIZE"])
+    peers = {}
+    for rank in range(1, world):
+        key = f"{PEER_KEY}/{_restart()}/{rank}"
+        if store.check([key]):
+            where = json.loads(store.get(key))
+            if where["host"] == host:
+                peers[rank] = where
+    deadline = time.monotonic() + PEER_WAIT_S
+    ended: dict[int, str] = {}
+    while peers:  # the peer whose end broke the connection is gone within moments
+        ended = {
+            r: how for r, w in peers.items() if (how := how_it_ended(w["pid"], w["started"])) is not None
+        }
+        if ended or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    causes = []
+    for rank, how in ended.items():
+        error = _error_record(job.run_dir, rank, since)
+        if error is None:  # no Python ran to say why: killed, or os._exit
+            said = (
+                how if how != "ended" else "ended without an error of its own (torchrun's summary says how)"
+            )
+            causes.append((0, 0.0, rank, f"failed: {said}"))
+        elif error["type"] == "Interrupted":
+            name = signal.Signals(error["exit_code"] - 128).name
+            causes.append((0, error["time"], rank, f"stopped by {name} (not sent by ddpexp)"))
+        elif error["time"] < failed_at:
+            said = error["message"] if error["user_error"] else f"failed: {error['type']}: {error['message']}"
+            causes.append((1, error["time"], rank, said))
+    if not causes:
+        return
+    _, _, rank, summary = min(causes)
+    finish_metrics(job.run_dir, "failed", f"rank {rank}: {summary}", facts={})
+    print(f"ddpexp: rank {rank} of {world} {summary}; rank 0's error followed from it", file=sys.stderr)
+
+
+def _error_record(run_dir: Path, rank: int, since: float) -> dict[str, Any] | None:
+    """The error record `rank` left in this attempt, if any."""
+    from .supervise import error_file
+
+    try:
+        error: dict[str, Any] = json.loads(error_file(run_dir, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return error if error.get("time", 0.0) >= since else None

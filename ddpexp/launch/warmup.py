@@ -54,6 +54,12 @@ def _server() -> Any:
     return forkserver._forkserver  # multiprocessing's one per process
 
 
+def server_pid() -> int | None:
+    """The running forkserver's pid: the parent of every worker forked from it."""
+    pid: int | None = _server()._forkserver_pid
+    return pid
+
+
 def forkserver_context() -> Any:
     """multiprocessing's forkserver context, its server set to import PRELOAD when it starts."""
     ctx = multiprocessing.get_context("forkserver")

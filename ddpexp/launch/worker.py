@@ -78,8 +78,10 @@ def program(job: Job) -> Callable[[Job, RunContext], dict[str, float]]:
     return train.run
 
 
-def run_guarded(fn: Callable[[], object], ctx: RunContext) -> int:
-    """Run `fn` and turn its outcome into an exit code; failures leave an error file for the launcher."""
+def run_guarded(fn: Callable[[], object], ctx: RunContext, *, record_stops: bool = False) -> int:
+    """Run `fn` and turn its outcome into an exit code; failures leave an error file for the launcher
+    (and, with `record_stops`, so does a stop by a signal: under torchrun, for rank 0 to name a peer
+    stopped from outside, see torchrun.blame_a_peer)."""
     try:
         fn()
         return 0
@@ -87,26 +89,29 @@ def run_guarded(fn: Callable[[], object], ctx: RunContext) -> int:
         log.warning("ddpexp: %s", exc)
         return exc.code
     except Interrupted as exc:
+        if record_stops:
+            _write_error(ctx, exc, user_error=False, code=exc.code)
         return exc.code
     except KeyboardInterrupt:
         return 130
     except UserError as exc:
-        _write_error(ctx, exc, user_error=True)
+        _write_error(ctx, exc, user_error=True, code=UserError.exit_code)
         log.error("ddpexp: error: %s", exc)
         return UserError.exit_code
     except BaseException as exc:
-        _write_error(ctx, exc, user_error=False)
+        _write_error(ctx, exc, user_error=False, code=1)
         traceback.print_exc()
         return 1
 
 
-def _write_error(ctx: RunContext, exc: BaseException, *, user_error: bool) -> None:
+def _write_error(ctx: RunContext, exc: BaseException, *, user_error: bool, code: int) -> None:
     record = {
         "rank": ctx.rank,
         "time": time.time(),
         "type": type(exc).__name__,
         "message": str(exc),
         "user_error": user_error,
+        "exit_code": code,
         "traceback": "".join(traceback.format_exception(exc)),
     }
     # A run dir that cannot be written must not hide the original error.
