@@ -1,7 +1,8 @@
 """A run's record (metrics.json, which rank 0's recorder writes) read back, and what it means.
 
 The lowest layer of reading results: the standard library only (no torch, nothing of ddpexp above
-fsutil and host), so the report, the cost model, the HParams view and the in-process API can all use it.
+fsutil, host and procstat), so the report, the cost model, the HParams view and the in-process API
+can all use it.
 
     METRICS_FILE            the record's file name in a run directory
     read_run_record(where)  the one reader: a RunRecord, None when the run left no record yet, or
@@ -33,13 +34,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import fsutil, host
+from . import fsutil, host, procstat
 
 METRICS_FILE = "metrics.json"
 CRASHED = "crashed"  # a `running` record whose owner is gone
@@ -159,7 +159,7 @@ def owner_record(pid: int) -> dict[str, Any]:
         "pid": pid,
         "host": socket.gethostname(),
         "boot_id": host.machine_id(),
-        "start": _start_ticks(pid),
+        "start": procstat.start_time(pid),
     }
 
 
@@ -180,10 +180,7 @@ def owner_gone(owner: dict[str, Any]) -> bool:
     pid = owner.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool):
         return False
-    start = _start_ticks(pid)
-    if start is None:
-        return not _exists(pid)
-    return start == -1 or (owner.get("start") is not None and owner["start"] != start)
+    return procstat.is_gone(pid, owner.get("start"))
 
 
 def gone_error(owner: dict[str, Any]) -> str:
@@ -193,31 +190,6 @@ def gone_error(owner: dict[str, Any]) -> str:
         f"the run's process (pid {owner.get('pid')} on {owner.get('host')}) ended without recording "
         "how: killed outright (SIGKILL, the out-of-memory killer) or its machine went down"
     )
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When `pid` started (clock ticks after boot, from /proc); -1 when there is no such live process
-    (a zombie, dead and not yet reaped, counts as gone); None where /proc cannot tell (not Linux)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return -1 if Path("/proc/self/stat").exists() else None
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on; the name may hold spaces
-    if fields[0] in ("Z", "X"):
-        return -1
-    return int(fields[19])  # field 22, starttime
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def steady(per_epoch: list[float]) -> list[float]:

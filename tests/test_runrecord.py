@@ -118,7 +118,7 @@ def test_it_is_the_lowest_layer():
     code = (
         "import sys, ddpexp.runrecord\n"
         "mods = [m for m in sys.modules if m == 'torch' or m.startswith('ddpexp.')]\n"
-        "print(sorted(set(mods) - {'ddpexp.runrecord', 'ddpexp.fsutil', 'ddpexp.host'}))\n"
+        "print(sorted(set(mods) - {'ddpexp.runrecord', 'ddpexp.fsutil', 'ddpexp.host', 'ddpexp.procstat'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
@@ -145,7 +145,7 @@ def test_a_running_record_whose_owner_is_gone_reads_as_crashed(tmp_path: Path):
     me = owner_record(os.getpid())
     assert status(me) == "running"
     ended = owner_record(_ended_process())
-    assert ended["start"] == -1 and status(ended) == CRASHED
+    assert ended["start"] is None and status(ended) == CRASHED
     record = read_run_record(tmp_path)
     assert record is not None and record.lost and f"pid {ended['pid']} on " in (record.error or "")
     assert status({**me, "start": me["start"] + 1}) == CRASHED  # the pid now belongs to another process

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 
 from ..errors import UserError
 from ..heartbeat import STOP_NOW, Heartbeat, Pulse
+from ..procstat import how_it_ended, is_stopped, start_time
 from ..recorder import METRICS_FILE, finish_metrics
-from .procstat import how_it_ended, is_stopped, start_time
 
 POLL_S = 0.05
 GRACE_S = 5.0

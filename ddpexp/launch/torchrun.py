@@ -177,7 +177,7 @@ def _train(job: Job, store: Any, *, since: float) -> int:
 
 def _announce(store: Any) -> None:
     """Where this rank runs, for rank 0 to tell a peer that ended from one that still runs."""
-    from .procstat import start_time
+    from ..procstat import start_time
 
     pid = os.getpid()
     where = {"host": socket.gethostname(), "pid": pid, "started": start_time(pid)}
@@ -193,9 +193,9 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     outside, exited, or failed with an error of its own earlier), that peer is the run's cause, not
     rank 0's broken connection to it. metrics.json's error and the console name it; torchrun's own
     summary says the same only in the agent's output."""
+    from ..procstat import how_it_ended
     from ..recorder import finish_metrics
     from ..runrecord import read_run_record_or_none
-    from .procstat import how_it_ended
 
     record = read_run_record_or_none(job.run_dir)
     if record is None or record.status != "failed" or record.started_at is None:

@@ -1,10 +1,12 @@
 """What the OS says about a process, from /proc (Linux; elsewhere nothing is known): whether it is
 stopped, when it started, and how one that is gone ended. A launcher uses it to tell which process
 of a run really failed when its own view (multiprocessing's exit codes, a peer's broken connection)
-only shows the echoes."""
+only shows the echoes; the run record, whether the process that owns a `running` run is gone.
+Standard library only, so the lowest layers may use it."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -31,6 +33,24 @@ def start_time(pid: int) -> int | None:
     a later one given the same pid."""
     fields = _stat(pid)
     return int(fields[_START_TIME]) if fields is not None else None
+
+
+def is_gone(pid: int, started: int | None = None) -> bool:
+    """Whether process `pid` (started at `started`, when known) has ended: no such process, a zombie
+    not yet reaped, or another process now holding its pid. Where /proc cannot tell, asks the OS
+    whether the pid exists at all."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    fields = _stat(pid)
+    if fields is None or fields[_STATE] in "ZX":
+        return True
+    return started is not None and int(fields[_START_TIME]) != started
 
 
 def how_it_ended(pid: int, started: int | None = None) -> str | None:
