@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import UserError
 
@@ -163,12 +163,15 @@ def follow() -> int:
 
 def _train(job: Job, store: Any, *, since: float) -> int:
     from ..context import RunContext
-    from .supervise import signals_ignored
+    from .supervise import Interrupted, signals_ignored
     from .worker import configure_process, execute, run_guarded
 
     ctx = RunContext.for_process(job)
     configure_process(ctx, console=ctx.is_main)
-    code = run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx, record_stops=True)
+    try:
+        code = run_guarded(lambda: execute(job, ctx, store=_pg_store(store)), ctx, record_stops=True)
+    except Interrupted as exc:  # the agent's SIGTERM (a peer has ended) came while rank 0 recorded its error
+        code = exc.code
     if ctx.is_main and code not in (0, UserError.exit_code):
         with signals_ignored():  # the agent's SIGTERM, sent once a peer has ended, must not cut it short
             blame_a_peer(job, store, since=since)
@@ -189,18 +192,21 @@ def _restart() -> str:
 
 
 def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
-    """Rank 0 failed: if a peer on this machine ended before it (killed, stopped by a signal from
-    outside, exited, or failed with an error of its own earlier), that peer is the run's cause, not
-    rank 0's broken connection to it. metrics.json's error and the console name it; torchrun's own
-    summary says the same only in the agent's output."""
-    from ..procstat import how_it_ended
+    """Rank 0 failed (or the agent stopped it): if a peer on this machine ended before it (killed,
+    stopped by a signal from outside, exited, or failed with an error of its own earlier), that peer
+    is the run's cause, not rank 0's broken connection to it. metrics.json's error and the console
+    name it; torchrun's own summary says the same only in the agent's output."""
     from ..recorder import finish_metrics
     from ..runrecord import read_run_record_or_none
 
     record = read_run_record_or_none(job.run_dir)
-    if record is None or record.status != "failed" or record.started_at is None:
-        return  # interrupted or preempted: no peer's doing
-    failed_at = record.started_at + (record.wall_s or 0.0)  # when rank 0's run recorded its failure
+    if record is None or record.status not in ("failed", "interrupted") or record.started_at is None:
+        return
+    # Interrupted: by torchrun's SIGTERM to every rank (each then leaves a record of it), or by the one
+    # the agent sends once a peer has ended, if it came before rank 0's own broken connection. Only a
+    # peer that ended without a word (killed) tells the second from the first.
+    silent_only = record.status == "interrupted"
+    failed_at = record.started_at + (record.wall_s or 0.0)  # when rank 0's run recorded how it ended
     host, world = socket.gethostname(), int(os.environ["WORLD_SIZE"])
     peers = {}
     for rank in range(1, world):
@@ -210,33 +216,50 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
             if where["host"] == host:
                 peers[rank] = where
     deadline = time.monotonic() + PEER_WAIT_S
-    ended: dict[int, str] = {}
-    while peers:  # the peer whose end broke the connection is gone within moments
-        ended = {
-            r: how for r, w in peers.items() if (how := how_it_ended(w["pid"], w["started"])) is not None
-        }
-        if ended or time.monotonic() > deadline:
+    causes: list[_PeerCause] = []
+    while peers:  # the peer that broke the connection has said so, or is gone, within moments
+        for rank, where in peers.items():
+            cause = _peer_cause(job.run_dir, rank, where, since=since, before=failed_at)
+            if cause is not None and (cause.silent or not silent_only):
+                causes.append(cause)
+        if causes or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    causes = []
-    for rank, how in ended.items():
-        error = _error_record(job.run_dir, rank, since)
-        if error is None:  # no Python ran to say why: killed, or os._exit
-            said = (
-                how if how != "ended" else "ended without an error of its own (torchrun's summary says how)"
-            )
-            causes.append((0, 0.0, rank, f"failed: {said}"))
-        elif error["type"] == "Interrupted":
-            name = signal.Signals(error["exit_code"] - 128).name
-            causes.append((0, error["time"], rank, f"stopped by {name} (not sent by ddpexp)"))
-        elif error["time"] < failed_at:
-            said = error["message"] if error["user_error"] else f"failed: {error['type']}: {error['message']}"
-            causes.append((1, error["time"], rank, said))
     if not causes:
         return
-    _, _, rank, summary = min(causes)
-    finish_metrics(job.run_dir, "failed", f"rank {rank}: {summary}", facts={})
-    print(f"ddpexp: rank {rank} of {world} {summary}; rank 0's error followed from it", file=sys.stderr)
+    first = min(causes)
+    finish_metrics(job.run_dir, "failed", f"rank {first.rank}: {first.summary}", facts={})
+    print(f"ddpexp: rank {first.rank} of {world} {first.summary}; rank 0 failed after it", file=sys.stderr)
+
+
+class _PeerCause(NamedTuple):
+    order: int  # 0: ended by a signal or without a word; 1: an error of its own (its record's time)
+    time: float
+    rank: int
+    summary: str
+    silent: bool = False  # it left no record: killed, or os._exit
+
+
+def _peer_cause(
+    run_dir: Path, rank: int, where: dict[str, Any], *, since: float, before: float
+) -> _PeerCause | None:
+    """What rank 0 blames on `rank`: that it was stopped by a signal, failed on its own before
+    `before`, or ended without a word (killed, os._exit); None while it runs, or when its failure
+    echoes rank 0's."""
+    from ..procstat import how_it_ended
+
+    error = _error_record(run_dir, rank, since)
+    if error is not None and error["type"] == "Interrupted":
+        name = signal.Signals(error["exit_code"] - 128).name
+        return _PeerCause(0, error["time"], rank, f"stopped by {name} (not sent by ddpexp)")
+    if error is not None:
+        said = error["message"] if error["user_error"] else f"failed: {error['type']}: {error['message']}"
+        return _PeerCause(1, error["time"], rank, said) if error["time"] < before else None
+    how = how_it_ended(where["pid"], where["started"])
+    if how is None:
+        return None
+    said = how if how != "ended" else "ended without an error of its own (torchrun's summary says how)"
+    return _PeerCause(0, 0.0, rank, f"failed: {said}", silent=True)
 
 
 def _error_record(run_dir: Path, rank: int, since: float) -> dict[str, Any] | None:
