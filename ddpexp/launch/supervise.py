@@ -143,6 +143,20 @@ def error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "logs" / f"rank{rank}.error.json"
 
 
+def read_error(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """The error record `rank` left (written atomically, so whole), or None when it left none."""
+    try:
+        record: dict[str, Any] = json.loads(error_file(run_dir, rank).read_text())
+    except FileNotFoundError:
+        return None
+    return record
+
+
+def error_summary(record: dict[str, Any]) -> str:
+    """How an error record reads after "rank N": a user error's own line, else `failed: Type: message`."""
+    return record["message"] if record["user_error"] else f"failed: {record['type']}: {record['message']}"
+
+
 def set_aside_errors(run_dir: Path) -> None:
     """The error records an earlier attempt left (a restarted group's, or an earlier command's in this
     run dir) move aside to rank<N>.attempt<K>.error.json, K the first free number: a failure is
@@ -415,11 +429,7 @@ class Supervisor:
                 f"hung at step {h.step} (no progress for {h.quiet_s:.0f} s); its stack is in {log}, "
                 "its peers' in theirs",
             )
-        records = {}
-        for w in self.workers:
-            path = error_file(self.run_dir, w.rank)
-            if path.exists():
-                records[w.rank] = json.loads(path.read_text())
+        records = {w.rank: r for w in self.workers if (r := read_error(self.run_dir, w.rank)) is not None}
         stop = self.stopping_since if self.stopping_since is not None else float("inf")
         preempted = 128 + self.preempt.signum if self.preempt is not None else None
         unexplained = [
@@ -443,7 +453,7 @@ class Supervisor:
             r = min(records.values(), key=lambda r: r["time"])
             return Cause(
                 f"rank {r['rank']}",
-                f"failed: {r['type']}: {r['message']}" if not r["user_error"] else r["message"],
+                error_summary(r),
                 r["traceback"],
                 r["user_error"],
             )

@@ -247,27 +247,18 @@ def _peer_cause(
     `before`, or ended without a word (killed, os._exit); None while it runs, or when its failure
     echoes rank 0's."""
     from ..procstat import how_it_ended
+    from .supervise import error_summary, read_error
 
-    error = _error_record(run_dir, rank, since)
+    error = read_error(run_dir, rank)
+    if error is not None and error.get("time", 0.0) < since:
+        error = None  # an earlier attempt's
     if error is not None and error["type"] == "Interrupted":
         name = signal.Signals(error["exit_code"] - 128).name
         return _PeerCause(0, error["time"], rank, f"stopped by {name} (not sent by ddpexp)")
     if error is not None:
-        said = error["message"] if error["user_error"] else f"failed: {error['type']}: {error['message']}"
-        return _PeerCause(1, error["time"], rank, said) if error["time"] < before else None
+        return _PeerCause(1, error["time"], rank, error_summary(error)) if error["time"] < before else None
     how = how_it_ended(where["pid"], where["started"])
     if how is None:
         return None
     said = how if how != "ended" else "ended without an error of its own (torchrun's summary says how)"
     return _PeerCause(0, 0.0, rank, f"failed: {said}", silent=True)
-
-
-def _error_record(run_dir: Path, rank: int, since: float) -> dict[str, Any] | None:
-    """The error record `rank` left in this attempt, if any."""
-    from .supervise import error_file
-
-    try:
-        error: dict[str, Any] = json.loads(error_file(run_dir, rank).read_text())
-    except (OSError, ValueError):
-        return None
-    return error if error.get("time", 0.0) >= since else None
