@@ -24,6 +24,7 @@ from . import composition, fsutil, host, remote
 from .errors import NothingToDo, UserError
 from .job import Outcome
 from .launch import warmup
+from .launch.supervise import STOP_SIGNALS
 from .plan import ExternalWorld
 from .recorder import settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none
@@ -46,7 +47,7 @@ OmegaConf.register_new_resolver("ddpexp_subdir", _sweep_subdir, replace=True)
 
 # Exit codes that stop a sweep: Ctrl-C, SIGTERM, a closed terminal (SIGHUP), and a run that stopped
 # (checkpointed or not) for SIGUSR1/SIGUSR2.
-STOP_CODES = {128 + s for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+STOP_CODES = {128 + s for s in STOP_SIGNALS}
 SCHEDULER_ENV = ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR")  # under these, checkpoint_on_signal defaults on
 SUBMITIT_SIGNAL_ENV = "SUBMITIT_PREEMPT_SIGNAL"  # submitit's preemption/time-out signal (USR2)
 INTERRUPTED_REMOTE = (
