@@ -11,6 +11,9 @@ import csv
 import io
 import json
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from ddpexp import report
 from ddpexp.report import cli as report_cli
 from ddpexp.report import plots as report_plots
 from ddpexp.report.table import COLUMNS
+
+from .conftest import QUICK, run_here
 
 T0 = 1_800_000_000.0  # job start of the first fabricated job (epoch seconds)
 GAP_S = 10.0  # between one job's end and the next one's start
@@ -477,3 +482,18 @@ def test_plots_show_percent_a_target_line_integer_device_ticks_and_predictions(t
         report_plots.plot_scaling(groups, tmp_path / "predicted.png", predicted=predicted)
         == tmp_path / "predicted.png"
     )
+
+
+def test_a_sweep_ends_with_the_report_command_for_its_directory_and_that_command_works(tmp_path: Path):
+    """The last line of `python -m ddpexp -m ...` is the report command for the sweep's own (dated)
+    directory; run as printed, in the same directory, it writes the report there."""
+    swept = run_here(tmp_path, "-m", *QUICK, "trainer.max_steps=1", "trainer.epochs=1", "seed=0,1")
+    assert swept.returncode == 0, swept.stderr
+    last = swept.stdout.strip().splitlines()[-1]
+    assert last.startswith("report: ddpexp-report multirun/"), swept.stdout
+    argv = shlex.split(last.removeprefix("report: "))
+    assert (tmp_path / argv[1]).is_dir() and len(list((tmp_path / argv[1]).glob("*/metrics.json"))) == 2
+    module = [sys.executable, "-m", "ddpexp.report", *argv[1:]]  # the script, without relying on PATH
+    done = subprocess.run(module, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / argv[1] / "report.md").is_file() and "seed=0" in done.stdout
