@@ -654,3 +654,42 @@ def test_identical_predictions_are_one_line_that_names_them(tmp_path: Path):
     ).axes
     shown = [line.get_label() for line in ax.get_lines() if "predicted" in line.get_label()]
     assert shown == ["ddp, ddp +syncbn (predicted, identical)", "fsdp (predicted)"]
+
+
+def test_tensorboard_opens_on_what_is_compared_in_percent_without_constant_charts(tmp_path: Path):
+    """Scalars: eval/ first (accuracy in %, as the console and the report show it), communication's
+    share beside the throughput, no chart of what is constant over a run (bytes per step, resident
+    memory, eval samples: one text table instead) and no one-point hparams/ charts; HParams ticks
+    threads, and its metrics are the charts' own tags. The report still reads the accuracy right."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    from ddpexp.recorder import Recorder
+
+    facts = {"strategy": "ddp", "world_size": 2, "threads": 1, "accumulate": 1, "job_started_at": T0}
+    recorder = Recorder(tmp_path, facts=facts, progress=False)
+    recorder.start()
+    constant = {"comm/bytes_per_step": 116_536.0, "comm/bytes_per_step/gradients": 116_136.0}
+    constant |= {"mem/params_mb": 0.11, "eval/samples": 360.0}
+    for epoch, acc in ((1, 0.9), (2, 0.97)):
+        values = {"eval/acc": acc, "eval/loss": 0.3, "train/epoch_loss": 0.4, "perf/samples_per_s": 900.0}
+        values |= {"comm/share": 0.25, "comm/time_per_step_s": 0.001, "mem/peak_mb": 300.0, **constant}
+        recorder.epoch(epoch=epoch, epochs=2, step=10 * epoch, values=values)
+    recorder.close("completed")
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = sorted(acc.Tags()["scalars"])
+    assert tags[:2] == ["eval/acc", "eval/loss"], tags
+    assert [e.value for e in acc.Scalars("eval/acc")] == pytest.approx([90.0, 97.0])
+    assert {"perf/comm_share", "perf/comm_time_per_step_s", "mem/peak_mb"} <= set(tags)
+    assert not [t for t in tags if t.startswith(("comm/", "hparams/", "eval/samples", "mem/params"))], tags
+    assert acc.Scalars("summary/best_eval_acc")[0].value == pytest.approx(97.0)
+    assert "run/constants/text_summary" in acc.Tags()["tensors"]
+    content = acc.PluginTagToContent("hparams")
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    ticked = {h.name for h in experiment.hparam_infos if h.differs}
+    assert "threads" in ticked and "accumulate" not in ticked
+    metrics = {m.name.tag for m in experiment.metric_infos}
+    assert "eval/acc" in metrics and metrics <= set(tags), metrics
+    (run,) = report.find_runs([tmp_path])
+    assert [v for _, v, _ in run.scalars["eval/acc"]] == pytest.approx([0.9, 0.97])  # back to fractions

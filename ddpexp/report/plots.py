@@ -8,10 +8,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..runrecord import is_accuracy
 from .groups import Group
 from .rows import Row
 from .runs import Run
-from .table import is_accuracy
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")

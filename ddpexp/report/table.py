@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from ..runrecord import finite_number
+from ..runrecord import finite_number, is_accuracy
 from .rows import EFFICIENCY_LIMIT, Group, Row
 from .runs import Run
 from .weak import WeakSeries
@@ -146,10 +146,6 @@ def _resident(values: list[float | None]) -> str:
     if any(v is None for v in values):
         return "-"
     return "/".join(f"{v:.2f}" for v in values if v is not None)
-
-
-def is_accuracy(tag: str) -> bool:
-    return tag == "eval/acc" or tag.startswith("eval/top")
 
 
 def _metric(tag: str, v: float | None) -> str:
