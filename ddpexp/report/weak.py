@@ -28,14 +28,6 @@ class WeakSeries:
             "(weak scaling)"
         )
 
-    def note(self) -> str:
-        batches = "/".join(str(b) for b in dict.fromkeys(r.facts.get("global_batch_size") for r in self.rows))
-        shown = ", ".join(f"{row.devices}: {self.efficiency[id(row)]:.2f}" for row in self.rows)
-        return (
-            f"{self.title}: global batch {batches}; per-device samples/s against {self.baseline.name} "
-            f"(1 process), by devices: {shown}"
-        )
-
 
 def weak_scaling(groups: list[Group]) -> list[WeakSeries]:
     """Every per-rank batch at which completed rows span several global batches and device counts, and
