@@ -544,6 +544,10 @@ def test_scaling_compares_strong_against_the_one_process_run_and_weak_scaling_on
     titles = [ax.get_title() for ax in fig.axes]
     assert len(titles) == 2 and titles[0].startswith("strong scaling: mlp on synthetic, global batch 64")
     assert titles[1].startswith("mlp on synthetic, 32 samples per rank (weak scaling)")
+    # --predict with nothing to predict (global batch 32 has its one-process run only): no empty panel
+    palette = report_plots.colours(groups)
+    fig = scaling_plot.scaling_figure(groups, palette=palette, title="t", predicted=lambda group: {})
+    assert [ax.get_title() for ax in fig.axes] == titles
 
 
 def test_an_impossible_efficiency_is_marked_where_it_is_drawn(tmp_path: Path):

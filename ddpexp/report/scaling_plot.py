@@ -50,23 +50,34 @@ def scaling_figure(
     are the same drawn once: pass the groups it was predicted for; or a function giving each group's
     own (`--predict`). None when there is no panel."""
     predicted = predicted or {}
+    curves = {
+        id(g): (predicted(g) if callable(predicted) else predicted) if g.baseline else {} for g in groups
+    }
     strong = [
         g
         for g in groups
-        if g.baseline and (predicted or len({r.devices for r in g.rows if r.efficiency is not None}) > 1)
+        if g.baseline
+        and (
+            len({r.devices for r in g.rows if r.efficiency is not None}) > 1
+            or any(d > 1 for points in curves[id(g)].values() for d, _ in points)
+        )
     ]
     weak = weak_scaling(groups)
     if not strong and not weak:
         return None
-    entries = max((len(g.rows) for g in groups), default=0) + len(
-        predicted if isinstance(predicted, Mapping) else ()
+    entries = max((len(g.rows) for g in groups), default=0) + max(
+        (len(curves[id(g)]) for g in strong), default=0
     )
+    effs = [r.efficiency or 0.0 for g in strong for r in g.rows] + [
+        e for s in weak for e in s.efficiency.values()
+    ]
+    if any(e > EFFICIENCY_LIMIT for e in effs):
+        entries = max(entries, 5)  # a legend beside the plot, off the notes on impossible points
     fig, axes = figure(len(strong) + len(weak), title, "Scaling efficiency vs devices", entries=entries)
     for group, ax in zip(strong, axes, strict=False):
         points = [(row, row.efficiency or 0.0) for row in group.rows if row.efficiency is not None]
         ticks = _plot_measured(ax, points, palette, group.baseline)
-        curves = predicted(group) if callable(predicted) else predicted
-        ticks |= _plot_predicted(ax, curves, palette)
+        ticks |= _plot_predicted(ax, curves[id(group)], palette)
         base = group.baseline.label if group.baseline else "-"
         _finish(ax, ticks, f"strong scaling: {group.title} (baseline: {base})")
     for series, ax in zip(weak, axes[len(strong) :], strict=True):
@@ -85,7 +96,8 @@ def _finish(ax: Any, ticks: set[int], title: str) -> None:
     ax.set_ylim(bottom=0)
     ax.set(xlabel="devices", ylabel="scaling efficiency", title=title)
     ax.title.set_fontsize(9)
-    legend(ax, outside=len(ax.get_legend_handles_labels()[0]) > 6)
+    handles, labels = ax.get_legend_handles_labels()
+    legend(ax, outside=len(handles) > 6 or any("impossible" in label for label in labels))  # off the notes
 
 
 def _plot_measured(
@@ -101,7 +113,7 @@ def _plot_measured(
     base_per_device = base.per_device() if base else None
     ticks: set[int] = set()
     impossible = []
-    for label, index, line in _series(points):
+    for number, (label, _, line) in enumerate(_series(points)):
         x = [row.devices for row, _ in line]
         y = [eff for _, eff in line]
         low, high = [], []
@@ -110,20 +122,22 @@ def _plot_measured(
             low.append(eff - lo / row.devices / base_per_device if base_per_device else 0.0)
             high.append(hi / row.devices / base_per_device - eff if base_per_device else 0.0)
         colour = palette[line[0][0].strategy]
-        marker = MARKERS[index % len(MARKERS)]
+        marker = MARKERS[number % len(MARKERS)]  # series of one colour (strategy) still read apart
         ax.errorbar(x, y, yerr=[low, high], color=colour, marker=marker, capsize=3, label=label)
         impossible += [(label, row, eff) for row, eff in line if eff > EFFICIENCY_LIMIT]
         ticks |= set(x)
     right = max(ticks, default=0)
-    for k, (label, row, eff) in enumerate(impossible):
+    at: dict[int, int] = {}  # annotations so far at each device count: the next goes below them
+    for k, (label, row, eff) in enumerate(sorted(impossible, key=lambda item: -item[2])):
         note = f"impossible (> {EFFICIENCY_LIMIT}): baseline slowed?" if k == 0 else None
         ax.scatter([row.devices], [eff], **IMPOSSIBLE, label=note)
         left = row.devices == right and right != min(ticks)  # at the right edge: the text goes left
+        below = at[row.devices] = at.get(row.devices, -1) + 1
         ax.annotate(
             f"{label}: {eff:.2f} impossible",
             (row.devices, eff),
             textcoords="offset points",
-            xytext=(-14 if left else 14, 0),
+            xytext=(-14 if left else 14, 6 - 13 * below),
             ha="right" if left else "left",
             va="center",
             fontsize=8,
