@@ -15,6 +15,7 @@ from .runs import Run
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")
+PLOT_WIDTH = 8.0  # inches
 MARKS_PER_CURVE = 8  # markers along a curve: enough to tell coincident curves apart, few enough to read
 
 
@@ -38,7 +39,7 @@ def figure(
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    width = 8 if entries <= 4 else 11
+    width = PLOT_WIDTH  # legend() widens it for a legend beside the plot
     heights = heights or [3.6] * panels  # inches per panel
     fig = Figure(figsize=(width, 1.2 + sum(heights)))  # not pyplot's: nothing global to close
     axes = fig.subplots(panels, 1, squeeze=False, height_ratios=heights)
@@ -66,7 +67,11 @@ def row_styles(group: Group, palette: dict[str, Any]) -> Iterable[tuple[Row, dic
 
 
 def _entries(groups: list[Group]) -> int:
-    return max((len(group.rows) for group in groups), default=0)
+    """How much legend a figure has: its largest group's rows, counted as more than four (a legend
+    beside the plot, a wider figure) when a label is long."""
+    rows = max((len(group.rows) for group in groups), default=0)
+    longest = max((len(row.label) for group in groups for row in group.rows), default=0)
+    return max(rows, 5) if longest > 32 else rows
 
 
 def accuracy_figure(groups: list[Group], *, palette: dict[str, Any], title: str, target: float) -> Any:
@@ -129,9 +134,12 @@ def loss_figure(groups: list[Group], *, palette: dict[str, Any], title: str) -> 
                 lw=1,
                 label=label,
             )
-        if curves and all(v > 0 for *_, points in curves for _, v, _ in points):
+        losses = [v for *_, points in curves for _, v, _ in points]
+        log = bool(losses) and min(losses) > 0 and max(losses) > 3 * min(losses)  # falls far: log
+        if log:
             ax.set_yscale("log")
-        ax.set(xlabel="optimizer step", ylabel="train loss (log scale)", title=group.title)
+        ylabel = "train loss (log scale)" if log else "train loss"
+        ax.set(xlabel="optimizer step", ylabel=ylabel, title=group.title)
         ax.grid(alpha=0.3, which="both")
         legend(ax, outside=entries > 4)
     return fig
@@ -161,9 +169,16 @@ def throughput_figure(groups: list[Group], *, palette: dict[str, Any], title: st
 
 
 def legend(ax: Any, *, outside: bool = False) -> None:
-    if not ax.get_legend_handles_labels()[0]:
+    """The panel's legend, fontsize 8; `outside`: beside the plot, where it hides no curve, the figure
+    widened by the legend's width so that the plot keeps its own."""
+    labels = ax.get_legend_handles_labels()[1]
+    if not labels:
         return
-    if outside:  # many entries: beside the plot, where it hides no curve
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    else:
+    if not outside:
         ax.legend(fontsize=8)
+        return
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig = ax.figure
+    needed = PLOT_WIDTH + 0.8 + 0.062 * max(len(label) for label in labels)  # inches, at fontsize 8
+    if fig.get_figwidth() < needed:
+        fig.set_figwidth(needed)
