@@ -1,16 +1,19 @@
 """TensorBoard's HParams view, written by rank 0's recorder into the run's own event file.
 
 At the start of a run: the experiment (which settings and metrics there are, and which to show: the
-ones its sweep varies, plus strategy, world size and sync_bn, marked `differs`, which TensorBoard
-puts first and ticks) and the session's settings, so running and failed runs appear at once. At the
-end: the session's status and its metrics, with the report's definitions (ddpexp/report/):
+ones its sweep varies, plus strategy, world size, sync_bn and threads (what explains a speed
+difference), marked `differs`, which TensorBoard puts first and ticks) and the session's settings, so
+running and failed runs appear at once. At the end: the session's status. Its metrics are the last
+points of the charts a person reads anyway (in the console's and the report's units: accuracies in %),
+and two values written once, at the end, in summary/:
 
-  hparams/final_<metric>, hparams/best_<metric>   the best metric (eval/acc unless the task says)
-  hparams/time_to_target_s   seconds from the job's start until eval/acc first reached TARGET
-  hparams/samples_per_s      mean over epochs of perf/samples_per_s, the first left out when there
-                             are several (it includes warm-up)
-  hparams/comm_share         mean comm/share (strategies that communicate)
-  hparams/peak_mem_mb        peak of mem/peak_mb
+  eval/<metric>              the best metric's final value (eval/acc, in %, unless the task says)
+  summary/best_<metric>      its best value
+  summary/time_to_target_s   seconds from the job's start until eval/acc first reached TARGET
+  perf/samples_per_s         the last epoch's samples/s (the report's: the mean over epochs after the
+                             first)
+  perf/comm_share            the last epoch's share of time in communication (strategies with any)
+  mem/peak_mb                peak memory
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import Any
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 
-from .runrecord import steady, strategy_label
+from .runrecord import is_accuracy, strategy_label
 
 TARGET = 0.95  # the report's default --target
-ALWAYS_SHOWN = ("strategy", "world_size", "sync_bn")
+ALWAYS_SHOWN = ("strategy", "world_size", "sync_bn", "threads")
 CONTEXT = (  # recorded for every run, shown when ticked by hand
     "backend",
     "devices",
@@ -35,7 +38,6 @@ CONTEXT = (  # recorded for every run, shown when ticked by hand
     "data",
     "precision",
     "accumulate",
-    "threads",
     "seed",
 )
 STATUS = {
@@ -59,12 +61,12 @@ def settings(facts: dict[str, Any]) -> tuple[dict[str, str | bool | float], set[
 def metric_names(best_metric: str) -> list[str]:
     name = best_metric.replace("/", "_")
     return [
-        f"hparams/final_{name}",
-        f"hparams/best_{name}",
-        "hparams/time_to_target_s",
-        "hparams/samples_per_s",
-        "hparams/comm_share",
-        "hparams/peak_mem_mb",
+        best_metric,
+        f"summary/best_{name}",
+        "summary/time_to_target_s",
+        "perf/samples_per_s",
+        "perf/comm_share",
+        "mem/peak_mb",
     ]
 
 
@@ -112,25 +114,20 @@ def write_end(run_dir: Path, status: str, *, step: int) -> None:
 
 
 def results(metrics: dict[str, Any], best_metric: str) -> dict[str, float]:
-    """The run's metrics for the HParams view, from metrics.json's history (report definitions)."""
+    """The metrics written once, at the end (summary/: the others are the last points of live
+    charts), from metrics.json (report definitions; accuracies in %)."""
     history = metrics.get("history", [])
     name = best_metric.replace("/", "_")
-    per_epoch = [h["perf/samples_per_s"] for h in history if h.get("perf/samples_per_s") is not None]
-    kept = steady(per_epoch)
-    shares = [h["comm/share"] for h in history if h.get("comm/share") is not None]
-    peaks = [h["mem/peak_mb"] for h in history if h.get("mem/peak_mb") is not None]
     reached = [
         h["job_time_s"]
         for h in history
         if best_metric == "eval/acc" and (h.get(best_metric) or 0.0) >= TARGET and "job_time_s" in h
     ]
+    best = metrics.get("best", {}).get(best_metric)
+    scale = 100.0 if is_accuracy(best_metric) else 1.0
     out = {
-        f"hparams/final_{name}": metrics.get("final", {}).get(best_metric),
-        f"hparams/best_{name}": metrics.get("best", {}).get(best_metric),
-        "hparams/time_to_target_s": reached[0] if reached else None,
-        "hparams/samples_per_s": sum(kept) / len(kept) if kept else None,
-        "hparams/comm_share": sum(shares) / len(shares) if shares else None,
-        "hparams/peak_mem_mb": max(peaks) if peaks else None,
+        f"summary/best_{name}": None if best is None else scale * best,
+        "summary/time_to_target_s": reached[0] if reached else None,
     }
     return {key: float(value) for key, value in out.items() if value is not None}
 

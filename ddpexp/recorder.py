@@ -3,12 +3,12 @@
 Other ranks get a `NullRecorder` with the same methods, so the engine calls them unconditionally and
 never checks its rank.
 
-TensorBoard tags (x axis = global optimizer step):
+metrics.json keys (TensorBoard shows them as board_scalars says: below), x axis = global optimizer step:
   train/loss          mean training loss over the steps since the last log point (all ranks); a
                       window ends at every epoch's end, so no point spans two epochs
   train/epoch_loss    the epoch's mean training loss (at its last step)
   eval/loss, eval/<m>  exact loss and the task's metrics over the whole eval set (eval/acc; eval/top<k>;
-                      regression: eval/mse, eval/mae)
+                      regression: eval/mse, eval/mae); accuracies are fractions here, % in TensorBoard
   eval/samples        eval samples scored (always the eval set size: nothing counted twice)
   perf/samples_per_s  training samples per second over the epoch (all ranks together)
   perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
@@ -17,11 +17,12 @@ TensorBoard tags (x axis = global optimizer step):
   mem/peak_mb         peak memory: CUDA max allocated, or the process's max RSS on CPU (max over ranks)
   mem/params_mb, mem/grads_mb, mem/optim_state_mb   bytes resident per rank by category, counted from
                       the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
-  comm/time_per_step_s, comm/share, comm/bytes_per_step   communication (strategies with any)
+  comm/time_per_step_s, comm/share, comm/bytes_per_step   communication (strategies with any);
+                      TensorBoard: perf/comm_time_per_step_s, perf/comm_share
   comm/bytes_per_step/<kind>   gradients, parameters (all-gathers, pulls, ZeRO's broadcasts), sync_bn
                       (statistics), buffers (DDP's broadcast of BatchNorm statistics before each forward)
-  hparams/*           the HParams view: settings from the start, status and metrics at the end
-                      (ddpexp/hparams.py)
+  constant over a run (BOARD_CONSTANT): no TensorBoard chart; the run/constants text at the end
+  summary/*           TensorBoard only: the HParams view's metrics written once (ddpexp/hparams.py)
 
 Scalars logged between epochs are kept in memory and written in one go at the epoch's end, before a
 checkpoint, at close, or once WRITE_EVERY_S has passed: TensorBoard's writer thread serialises and
@@ -49,6 +50,7 @@ from .runrecord import (
     METRICS_FILE,
     RunRecordError,
     gone_error,
+    is_accuracy,
     owner_gone,
     owner_record,
     read_run_record,
@@ -60,6 +62,18 @@ T = TypeVar("T")
 
 WRITE_EVERY_S = 10.0
 MODEL_FILE = "model.pt"
+# TensorBoard shows what a person compares, in the units the console and the report use: accuracies
+# in %, communication's share and time beside the throughput (perf/, after eval/ in TensorBoard's
+# alphabetical order), and no per-step chart of what is constant over a run (bytes per step, resident
+# memory by category, eval samples): those are one text table at the end (run/constants).
+BOARD_RENAMED = {"comm/share": "perf/comm_share", "comm/time_per_step_s": "perf/comm_time_per_step_s"}
+BOARD_CONSTANT = (
+    "comm/bytes_per_step",
+    "mem/params_mb",
+    "mem/grads_mb",
+    "mem/optim_state_mb",
+    "eval/samples",
+)
 TAGS = (
     "train/loss",
     "train/epoch_loss",
@@ -92,6 +106,23 @@ class Best:
             if self.improves(record.get(self.metric), best.get(self.metric)):
                 best = record
         return best
+
+
+def board_scalars(values: dict[str, float]) -> dict[str, float]:
+    """A record's scalars as TensorBoard shows them (BOARD_RENAMED, accuracies in %, constants left out)."""
+    return {
+        BOARD_RENAMED.get(tag, tag): 100 * value if is_accuracy(tag) else value
+        for tag, value in values.items()
+        if not tag.startswith(BOARD_CONSTANT)
+    }
+
+
+def constants_table(final: dict[str, Any]) -> str:
+    """What is constant over a run (BOARD_CONSTANT) as a markdown table for TensorBoard's Text view."""
+    rows = [(tag, value) for tag, value in sorted(final.items()) if tag.startswith(BOARD_CONSTANT)]
+    return "\n".join(
+        ["| value | per run |", "|---|---|", *(f"| {tag} | {value:,.6g} |" for tag, value in rows)]
+    )
 
 
 def new_metrics(facts: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +272,7 @@ class Recorder(NullRecorder):
 
     def _write_scalars(self) -> None:
         for step, values in self._unwritten:
-            for tag, value in values.items():
+            for tag, value in board_scalars(values).items():
                 self.writer.add_scalar(tag, value, global_step=step)
         self._unwritten.clear()
         self._written_at = time.monotonic()
@@ -337,6 +368,9 @@ class Recorder(NullRecorder):
         self.writer._get_file_writer().add_summary(hparams.end(status, time.time()), global_step=step)
         for tag, value in results.items():
             self.writer.add_scalar(tag, value, global_step=step)
+        final = self.metrics["final"]
+        if any(tag.startswith(BOARD_CONSTANT) for tag in final):
+            self.writer.add_text("run/constants", constants_table(final), global_step=step)
         self.writer.flush()
 
     def _write_metrics(self) -> None:
@@ -352,7 +386,7 @@ def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:
     for tag, value in v.items():  # the task's eval metrics: accuracies in %, errors as they are
         if tag.startswith("eval/") and tag not in ("eval/loss", "eval/samples"):
             name = tag.replace("/", "_")
-            pct = tag == "eval/acc" or tag.startswith("eval/top")
+            pct = is_accuracy(tag)
             parts.append(f"{name} {100 * value:.2f}%" if pct else f"{name} {value:.4f}")
     if "perf/samples_per_s" in v:
         parts.append(f"{v['perf/samples_per_s']:,.0f} samples/s")

@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -275,7 +276,7 @@ def run_command(
         if checked.output_dir is not None:  # a run killed outright there said `running`: now the truth
             for run_dir in [checked.output_dir, *(checked.output_dir.glob("*/") if multirun else ())]:
                 settle_lost(run_dir)
-        return run_jobs(
+        outcomes = run_jobs(
             checked.overrides,
             multirun=multirun,
             started_at=started_at,
@@ -283,6 +284,9 @@ def run_command(
             config_name=config_name,
             sweep_dir=checked.output_dir if multirun else None,
         )
+        if multirun and checked.output_dir is not None and checked.output_dir.is_dir():
+            print(report_command(checked.output_dir), flush=True)  # the sweep's answer is one command away
+        return outcomes
     except OSError as exc:
         if exc.errno != errno.ENOSPC or checked.output_dir is None:
             raise
@@ -292,6 +296,13 @@ def run_command(
     finally:
         if claim is not None:
             claim.release()
+
+
+def report_command(sweep_dir: Path) -> str:
+    """The line a sweep ends with: the report command for its own directory (relative to the working
+    directory when below it), quoted for a shell, to copy and run as it is."""
+    shown = Path(os.path.relpath(sweep_dir)) if sweep_dir.resolve().is_relative_to(Path.cwd()) else sweep_dir
+    return f"report: ddpexp-report {shlex.quote(str(shown))}"
 
 
 def disk_full(directory: Path, made: Path | None, exc: OSError, *, setting: str) -> UserError:

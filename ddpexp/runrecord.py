@@ -208,6 +208,12 @@ def strategy_label(facts: dict[str, Any]) -> str:
     return " ".join([str(facts.get("strategy", "?")) + (" +syncbn" if syncbn else ""), *shown])
 
 
+def is_accuracy(tag: str) -> bool:
+    """Accuracies (eval/acc, eval/top<k>): fractions in metrics.json, percent wherever a person reads
+    them (console, report, TensorBoard)."""
+    return tag == "eval/acc" or tag.startswith("eval/top")
+
+
 def setting_text(value: Any) -> str:
     """A setting's value as it is written on the command line: true/false, null."""
     return json.dumps(value) if isinstance(value, bool) or value is None else str(value)

@@ -63,9 +63,9 @@ def test_one_tensorboard_run_per_job_with_scalars_and_hparams(preset_sweep: Path
             "perf/samples_per_s",
             "perf/data_wait_frac",
             "mem/peak_mb",
-            "hparams/final_eval_acc",
+            "summary/best_eval_acc",
         } <= tags
-        assert ("comm/share" in tags) == job.startswith("strategy=ddp")
+        assert ("perf/comm_share" in tags) == job.startswith("strategy=ddp")
         hp = acc.PluginTagToContent("hparams")
         assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= hp.keys()
         facts = metrics(preset_sweep / job)["facts"]
@@ -127,7 +127,7 @@ def test_report_has_a_row_per_job_plots_and_the_runs_own_numbers(preset_sweep: P
         assert [h["perf/samples_per_s"] for h in m["history"]] == pytest.approx(per_epoch, rel=1e-6)
         assert row["samples/s"] == f"{sum(per_epoch[1:]) / len(per_epoch[1:]):,.0f}"
         if job == "strategy=ddp":
-            shares = [e.value for e in _accumulator(preset_sweep / job).Scalars("comm/share")]
+            shares = [e.value for e in _accumulator(preset_sweep / job).Scalars("perf/comm_share")]
             assert row["comm share"] == f"{100 * sum(shares) / len(shares):.2f}%"
             assert 0 < shares[-1] < 1 and m["final"]["comm/bytes_per_step"] > 0
     # --predict: the cost model's curves from the group's single run, for each other strategy.
@@ -463,7 +463,7 @@ def test_distributed_evaluation_equals_single_scoring_the_saved_model(preset_swe
 def test_hparams_view_shows_what_the_sweep_varies_and_every_run_with_its_status(tmp_path: Path, monkeypatch):
     """TensorBoard's HParams view, read back with tensorboard's own reader: written at the start (a run
     that fails still shows, with its status), `differs` (what TensorBoard puts first and ticks) set on
-    what the sweep varies plus strategy, world size and sync_bn only, metrics with the report's
+    what the sweep varies plus strategy, world size, sync_bn and threads only, metrics with the report's
     definitions."""
     from tensorboard.plugins.hparams import api_pb2, metadata
 
@@ -476,7 +476,7 @@ def test_hparams_view_shows_what_the_sweep_varies_and_every_run_with_its_status(
         content = acc.PluginTagToContent("hparams")
         experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
         shown = {h.name for h in experiment.hparam_infos if h.differs}
-        assert shown == {"strategy", "world_size", "sync_bn", "optim.lr"}, shown
+        assert shown == {"strategy", "world_size", "sync_bn", "threads", "optim.lr"}, shown
         assert {"backend", "global_batch_size", "model", "threads"} <= {
             h.name for h in experiment.hparam_infos
         }
@@ -489,9 +489,9 @@ def test_hparams_view_shows_what_the_sweep_varies_and_every_run_with_its_status(
         assert end.status == (api_pb2.STATUS_SUCCESS if lr == 0.05 else api_pb2.STATUS_FAILURE)
     scalars = _accumulator(by_lr[0.05].run_dir).Scalars
     history = metrics(by_lr[0.05].run_dir)["history"]
-    assert scalars("hparams/samples_per_s")[0].value == pytest.approx(history[-1]["perf/samples_per_s"])
-    assert scalars("hparams/final_eval_acc")[0].value == pytest.approx(history[-1]["eval/acc"])
-    assert scalars("hparams/peak_mem_mb")[0].value == pytest.approx(history[-1]["mem/peak_mb"])
+    assert scalars("perf/samples_per_s")[-1].value == pytest.approx(history[-1]["perf/samples_per_s"])
+    assert scalars("eval/acc")[-1].value == pytest.approx(100 * history[-1]["eval/acc"])  # in %
+    assert scalars("mem/peak_mb")[-1].value == pytest.approx(history[-1]["mem/peak_mb"])
 
 
 @pytest.mark.parametrize("preset", [False, True], ids=["command line", "preset"])

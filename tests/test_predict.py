@@ -369,15 +369,41 @@ def test_the_table_prints_a_row_per_size_and_the_assumptions(
     assert not math.isnan(float(rows[2][5].replace(",", "")))
 
 
-def test_a_single_run_asked_about_more_devices_is_told_to_name_a_strategy(
+def test_a_single_run_is_predicted_for_the_strategies_that_fit_its_host(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
-    """The README's first example on the usual baseline, a `single` run, without --strategy: every row
-    but W=1 is refused, and the table says at its top how to get them (a flag of this command, not
-    the training command's strategy=)."""
-    run = make_run(tmp_path)
-    assert predict.main([str(run), "--interconnect", "nvlink4", "--devices", "1,2,4"]) == 0
+    """The README's first example on the usual baseline, a `single` run, without --strategy: a table
+    for each strategy that runs on that host, the first line naming them; `dp` (one process over
+    several GPUs) only where the run had GPUs. --strategy predicts that one alone."""
+    cpu = make_run(tmp_path)
+    assert predict.main([str(cpu), "--interconnect", "localhost_gloo", "--devices", "1,2,4"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("ddpexp-predict: single runs on one device: predicting ddp, fsdp, zero"), first
+    assert "dp needs GPUs" in first and "--strategy" in first
+    assert [line.split(" on ")[0] for line in out.splitlines() if line.startswith("predicting:")] == [
+        "predicting: ddp",
+        "predicting: fsdp",
+        "predicting: zero",
+    ]
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 9 and all("-" not in row[2:] for row in rows), rows  # numbers, not dashes
+    (tmp_path / "gpu").mkdir()
+    gpu = make_run(tmp_path / "gpu", device_type="cuda", cores=64, threads=None, batch=4096)
+    assert predict.main([str(gpu), "--interconnect", "nvlink4", "--devices", "1,2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("ddpexp-predict: single runs on one device:") and "--strategy ddp" in first, first
-    assert predict.main([str(run), "--interconnect", "nvlink4", "--devices", "1,2", "--strategy", "ddp"]) == 0
-    assert "--strategy ddp" not in capsys.readouterr().out
+    assert "predicting ddp, fsdp, zero, dp" in first and "needs GPUs" not in first, first
+    assert predict.main([str(cpu), "--interconnect", "nvlink4", "--devices", "1,2", "--strategy", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "ddpexp-predict:" not in out and out.count("predicting:") == 1
+
+
+def test_dp_is_not_predicted_on_more_than_one_device_of_a_cpu_host(tmp_path: Path):
+    """On a CPU, DataParallel runs one replica: a size above 1 is refused with the reason, and the
+    report's curve for it is empty."""
+    from ddpexp.predict.model import predict_curve
+
+    run = make_run(tmp_path)
+    point = Predictor.build(run, interconnect="localhost_gloo", strategy="dp").point(2)
+    assert point.note is not None and "GPU" in point.note
+    assert predict_curve(run, [1, 2, 4], interconnect="localhost_gloo", strategy="dp") == [(1, 1.0)]

@@ -11,6 +11,9 @@ import csv
 import io
 import json
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,10 @@ import pytest
 from ddpexp import report
 from ddpexp.report import cli as report_cli
 from ddpexp.report import plots as report_plots
+from ddpexp.report import scaling_plot
 from ddpexp.report.table import COLUMNS
+
+from .conftest import QUICK, run_here
 
 T0 = 1_800_000_000.0  # job start of the first fabricated job (epoch seconds)
 GAP_S = 10.0  # between one job's end and the next one's start
@@ -277,7 +283,7 @@ def _warning_cases() -> dict[str, tuple[list[tuple[str, dict[str, Any]]], str, s
         "no baseline": (
             [("strategy=ddp", {"strategy": "ddp", "devices": 2, "samples_per_s": 160.0})],
             "",
-            "mlp on synthetic, global batch 64: no baseline (no completed `single` run)",
+            "mlp on synthetic, global batch 64: no baseline (no completed one-process run)",
         ),
         "load changed": (
             [
@@ -468,12 +474,226 @@ def test_plots_show_percent_a_target_line_integer_device_ticks_and_predictions(t
     assert spans == {(150, 190), (100, 110)}  # min-max of the repeats
 
     predicted = {"ddp": [(4, 0.7), (1, 1.0), (2, 0.8)]}
-    (ax,) = report_plots.scaling_figure(groups, palette=palette, title="t", predicted=predicted).axes
+    (ax,) = scaling_plot.scaling_figure(groups, palette=palette, title="t", predicted=predicted).axes
     assert list(ax.get_xticks()) == [1, 2, 4]
     (line,) = [line for line in ax.get_lines() if line.get_label() == "ddp (predicted)"]
     assert line.get_linestyle() == "--" and line.get_color() == palette["ddp"]
     assert list(line.get_xdata()) == [1, 2, 4]
     assert (
-        report_plots.plot_scaling(groups, tmp_path / "predicted.png", predicted=predicted)
+        scaling_plot.plot_scaling(groups, tmp_path / "predicted.png", predicted=predicted)
         == tmp_path / "predicted.png"
     )
+
+
+def test_a_sweep_ends_with_the_report_command_for_its_directory_and_that_command_works(tmp_path: Path):
+    """The last line of `python -m ddpexp -m ...` is the report command for the sweep's own (dated)
+    directory; run as printed, in the same directory, it writes the report there."""
+    swept = run_here(tmp_path, "-m", *QUICK, "trainer.max_steps=1", "trainer.epochs=1", "seed=0,1")
+    assert swept.returncode == 0, swept.stderr
+    last = swept.stdout.strip().splitlines()[-1]
+    assert last.startswith("report: ddpexp-report multirun/"), swept.stdout
+    argv = shlex.split(last.removeprefix("report: "))
+    assert (tmp_path / argv[1]).is_dir() and len(list((tmp_path / argv[1]).glob("*/metrics.json"))) == 2
+    module = [sys.executable, "-m", "ddpexp.report", *argv[1:]]  # the script, without relying on PATH
+    done = subprocess.run(module, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / argv[1] / "report.md").is_file() and "seed=0" in done.stdout
+
+
+def sections(text: str) -> dict[str, str]:
+    """report.md by section: heading (up to " — ") → its text."""
+    parts = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    return {part.splitlines()[0].split(" — ")[0]: part for part in parts}
+
+
+def _scaling_sweep(root: Path, weak4: float = 320.0) -> Path:
+    """experiment=scaling: ddp on 1, 2, 4 processes at global batch 64 (strong) and at 32 per rank
+    (weak: global batch 32, 64, 128); no `single` run."""
+    jobs = []
+    for devices, strong, weak in ((1, 100.0, 90.0), (2, 160.0, 170.0), (4, 240.0, weak4)):
+        for per_rank, speed in ((None, strong), (32, weak)):
+            batch = 64 if per_rank is None else 32 * devices
+            settings = {"strategy": "ddp", "devices": devices, "samples_per_s": speed}
+            settings |= {"global_batch_size": batch, "per_rank_batch_size": batch // devices}
+            name = f"dist.nprocs={devices},trainer.batch_per_rank={'null' if per_rank is None else per_rank}"
+            jobs.append((name, settings))
+    return sweep(root, jobs)
+
+
+def test_scaling_compares_strong_against_the_one_process_run_and_weak_scaling_on_its_own(tmp_path: Path):
+    _scaling_sweep(tmp_path)
+    stdout = run_report(str(tmp_path))
+    assert "no baseline" not in stdout, stdout
+    text = (tmp_path / "report.md").read_text()
+    parts = sections(text)
+    strong = parts["mlp on synthetic, global batch 64"]
+    assert "baseline: dist.nprocs=1,trainer.batch_per_rank=null" in strong.splitlines()[0]
+    assert "| dist.nprocs=4,trainer.batch_per_rank=null | completed | ddp dist.nprocs=4 " in strong
+    assert f"| {240 / 4 / 100:.2f} |" in strong  # 4 processes: 60 per device over the one process's 100
+    assert "compared in weak scaling" in parts["mlp on synthetic, global batch 128"]
+    weak = parts["mlp on synthetic, 32 samples per rank (weak scaling)"]
+    rows = [line.strip("| ").split(" | ") for line in weak.splitlines() if line.startswith("| dist.")]
+    assert [(r[2], r[3], r[-1]) for r in rows] == [
+        ("1", "32", "baseline"),
+        ("2", "64", f"{170 / 2 / 90:.2f}"),
+        ("2", "64", f"{160 / 2 / 90:.2f}"),  # the strong run at 2 processes has 32 per rank too
+        ("4", "128", f"{320 / 4 / 90:.2f}"),
+    ]
+    groups = report.group_runs(report.find_runs([tmp_path]))
+    fig = scaling_plot.scaling_figure(groups, palette=report_plots.colours(groups), title="t")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 2 and titles[0].startswith("strong scaling: mlp on synthetic, global batch 64")
+    assert titles[1].startswith("mlp on synthetic, 32 samples per rank (weak scaling)")
+    # --predict with nothing to predict (global batch 32 has its one-process run only): no empty panel
+    palette = report_plots.colours(groups)
+    fig = scaling_plot.scaling_figure(groups, palette=palette, title="t", predicted=lambda group: {})
+    assert [ax.get_title() for ax in fig.axes] == titles
+
+
+def test_an_impossible_efficiency_is_marked_where_it_is_drawn(tmp_path: Path):
+    _scaling_sweep(tmp_path, weak4=4 * 90 * 3.79)
+    groups = report.group_runs(report.find_runs([tmp_path]))
+    fig = scaling_plot.scaling_figure(groups, palette=report_plots.colours(groups), title="t")
+    strong, weak = fig.axes
+    assert not strong.texts
+    assert [t.get_text() for t in weak.texts] == ["ddp trainer.batch_per_rank=32: 3.79 impossible"]
+    (marked,) = weak.collections[-1:]  # a red ring around the point, its own marker inside
+    assert list(marked.get_offsets()[0]) == pytest.approx([4, 3.79])
+    assert "impossible" in marked.get_label()
+    run_report(str(tmp_path))
+    assert f"| {3.79:.2f} (impossible) |" in (tmp_path / "report.md").read_text()
+
+
+def _labelled(tmp_path: Path) -> list[Any]:
+    sweep(
+        tmp_path,
+        [
+            ("strategy=single", {"reached_at": 20.0}),
+            ("strategy=ddp_sync_bn", {"strategy": "ddp", "devices": 2, "sync_bn": True, "reached_at": 20.0}),
+            ("strategy=ddp,trainer.threads=1", {"strategy": "ddp", "devices": 2, "reached_at": 20.0}),
+            (
+                "strategy=ddp,trainer.threads=2",
+                {"strategy": "ddp", "devices": 2, "threads": 2, "reached_at": 20.0},
+            ),
+        ],
+    )
+    return report.group_runs(report.find_runs([tmp_path]))
+
+
+def test_one_label_per_row_in_the_table_and_every_plot(tmp_path: Path):
+    groups = _labelled(tmp_path)
+    run_report(str(tmp_path))
+    rows = md_tables((tmp_path / "report.md").read_text())
+    labels = {row["strategy"] for row in rows.values()}
+    assert labels == {"single", "ddp +syncbn", "ddp trainer.threads=1", "ddp trainer.threads=2"}
+    palette = report_plots.colours(groups)
+    acc = report_plots.accuracy_figure(groups, palette=palette, title="t", target=0.95).axes[0]
+    assert set(acc.get_legend_handles_labels()[1]) == labels | {"target 95%"}
+    loss = report_plots.loss_figure(groups, palette=palette, title="t").axes[0]
+    assert {label.split(" (identical")[0] for label in loss.get_legend_handles_labels()[1]} == labels
+    tput = report_plots.throughput_figure(groups, palette=palette, title="t").axes[0]
+    assert {t.get_text() for t in tput.get_yticklabels()} == labels
+    scaling = scaling_plot.scaling_figure(groups, palette=palette, title="t").axes[0]
+    assert set(scaling.get_legend_handles_labels()[1]) - {"linear scaling"} <= labels
+
+
+def test_coincident_loss_curves_are_each_visible_and_the_legend_says_identical(tmp_path: Path):
+    """Equal strategies (the point of parity) draw the same loss curve: every curve keeps a marker of
+    its own, where the others leave it visible, and the legend names the curve it repeats; the loss
+    axis is logarithmic, so the later steps are not a flat line at the bottom."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    names = ("strategy=ddp", "strategy=fsdp", "strategy=single", "strategy=zero")
+    for name in names:
+        run_dir = fabricate(tmp_path, name, strategy=name.split("=")[1], devices=1 if "single" in name else 2)
+        writer = SummaryWriter(log_dir=str(run_dir))
+        for step in range(1, 41):
+            writer.add_scalar("train/loss", 2.0 / step, global_step=step, walltime=T0 + step)
+        writer.close()
+    groups = report.group_runs(report.find_runs([tmp_path]))
+    ax = report_plots.loss_figure(groups, palette=report_plots.colours(groups), title="t").axes[0]
+    lines = [line for line in ax.get_lines() if line.get_label() in ax.get_legend_handles_labels()[1]]
+    assert len(lines) == 4
+    assert (
+        len({line.get_marker() for line in lines} - {"None", "", None}) == 4
+    )  # a marker each, all different
+    assert len({line.get_markevery() for line in lines}) == 4  # at steps of their own
+    assert len({line.get_markersize() for line in lines}) == 4  # rings around the later ones
+    identical = [line.get_label() for line in lines if "identical to" in line.get_label()]
+    assert identical == ["fsdp (identical to ddp)", "single (identical to ddp)", "zero (identical to ddp)"]
+    assert ax.get_yscale() == "log"
+
+
+def test_throughput_mentions_repeats_only_when_there_are_some_and_many_rows_keep_a_readable_legend(
+    tmp_path: Path,
+):
+    strategies = ("single", "dp", "ddp", "fsdp", "zero", "naive_allreduce", "ps", "ddp_mp")
+    for k, name in enumerate(strategies):
+        fabricate(tmp_path, f"strategy={name}", strategy=name, devices=1 if k < 2 else 2, reached_at=20.0 + k)
+    groups = report.group_runs(report.find_runs([tmp_path]))
+    palette = report_plots.colours(groups)
+    fig = report_plots.throughput_figure(groups, palette=palette, title="t")
+    assert "repeats" not in fig._suptitle.get_text()
+    fig = report_plots.accuracy_figure(groups, palette=palette, title="t", target=0.95)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    legend = ax.get_legend()
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # beside the curves, not over them
+    assert min(text.get_fontsize() for text in legend.get_texts()) >= 8
+    assert (
+        "repeats"
+        in report_plots.throughput_figure(
+            report.group_runs(report.find_runs([_repeats(tmp_path / "r")])), palette=palette, title="t"
+        )._suptitle.get_text()
+    )
+
+
+def test_identical_predictions_are_one_line_that_names_them(tmp_path: Path):
+    _repeats(tmp_path)
+    groups = report.group_runs(report.find_runs([tmp_path]))
+    same = [(1, 1.0), (2, 0.8), (4, 0.7)]
+    predicted = {"ddp": same, "ddp +syncbn": same, "fsdp": [(1, 1.0), (2, 0.75)]}
+    (ax,) = scaling_plot.scaling_figure(
+        groups, palette=report_plots.colours(groups), title="t", predicted=predicted
+    ).axes
+    shown = [line.get_label() for line in ax.get_lines() if "predicted" in line.get_label()]
+    assert shown == ["ddp, ddp +syncbn (predicted, identical)", "fsdp (predicted)"]
+
+
+def test_tensorboard_opens_on_what_is_compared_in_percent_without_constant_charts(tmp_path: Path):
+    """Scalars: eval/ first (accuracy in %, as the console and the report show it), communication's
+    share beside the throughput, no chart of what is constant over a run (bytes per step, resident
+    memory, eval samples: one text table instead) and no one-point hparams/ charts; HParams ticks
+    threads, and its metrics are the charts' own tags. The report still reads the accuracy right."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    from ddpexp.recorder import Recorder
+
+    facts = {"strategy": "ddp", "world_size": 2, "threads": 1, "accumulate": 1, "job_started_at": T0}
+    recorder = Recorder(tmp_path, facts=facts, progress=False)
+    recorder.start()
+    constant = {"comm/bytes_per_step": 116_536.0, "comm/bytes_per_step/gradients": 116_136.0}
+    constant |= {"mem/params_mb": 0.11, "eval/samples": 360.0}
+    for epoch, acc in ((1, 0.9), (2, 0.97)):
+        values = {"eval/acc": acc, "eval/loss": 0.3, "train/epoch_loss": 0.4, "perf/samples_per_s": 900.0}
+        values |= {"comm/share": 0.25, "comm/time_per_step_s": 0.001, "mem/peak_mb": 300.0, **constant}
+        recorder.epoch(epoch=epoch, epochs=2, step=10 * epoch, values=values)
+    recorder.close("completed")
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = sorted(acc.Tags()["scalars"])
+    assert tags[:2] == ["eval/acc", "eval/loss"], tags
+    assert [e.value for e in acc.Scalars("eval/acc")] == pytest.approx([90.0, 97.0])
+    assert {"perf/comm_share", "perf/comm_time_per_step_s", "mem/peak_mb"} <= set(tags)
+    assert not [t for t in tags if t.startswith(("comm/", "hparams/", "eval/samples", "mem/params"))], tags
+    assert acc.Scalars("summary/best_eval_acc")[0].value == pytest.approx(97.0)
+    assert "run/constants/text_summary" in acc.Tags()["tensors"]
+    content = acc.PluginTagToContent("hparams")
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    ticked = {h.name for h in experiment.hparam_infos if h.differs}
+    assert "threads" in ticked and "accumulate" not in ticked
+    metrics = {m.name.tag for m in experiment.metric_infos}
+    assert "eval/acc" in metrics and metrics <= set(tags), metrics
+    (run,) = report.find_runs([tmp_path])
+    assert [v for _, v, _ in run.scalars["eval/acc"]] == pytest.approx([0.9, 0.97])  # back to fractions

@@ -82,10 +82,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     wider = [p for p in points if p.devices > 1]
     if args.strategy is None and wider and all(p.note is not None for p in wider):
-        # The usual baseline is a one-device run; the strategy to spread it is this command's flag.
-        print(
-            f"ddpexp-predict: {predictor.strategy.name} runs on one device: add --strategy ddp (or fsdp, "
-            "zero, naive_allreduce, ...; python -m ddpexp --help lists them) to predict it on more"
-        )
+        return _predict_spread(args, predictor, devices, nodes)
     print(render(predictor, points))
+    return 0
+
+
+# What a one-device run is predicted as when no --strategy is given: those that fit its host.
+SPREAD = ("ddp", "fsdp", "zero", "dp")
+
+
+def _predict_spread(args: argparse.Namespace, run: Predictor, devices: list[int], nodes: list[int]) -> int:
+    """A one-device run (the usual baseline) without --strategy: a table for each strategy of SPREAD
+    that runs on the run's host at more than one device, and one line first naming them."""
+    fitting, left_out = [], []
+    for name in SPREAD:
+        predictor = Predictor.build(
+            args.run_dir,
+            interconnect=args.interconnect,
+            commbench=args.commbench,
+            strategy=name,
+            overlap=args.overlap_efficiency,
+        )
+        points = predictor.points(devices, nodes)
+        if any(p.note is None for p in points if p.devices > 1):
+            fitting.append((predictor, points))
+        else:
+            left_out.append(name)
+    device = run.host.device_type
+    names = ", ".join(p.strategy.settings.name for p, _ in fitting)
+    skipped = "".join(f"; {name} needs GPUs" for name in left_out if name == "dp")
+    print(
+        f"ddpexp-predict: {run.strategy.settings.name} runs on one device: predicting {names}, the "
+        f"strategies that run on its {device} host{skipped} (--strategy NAME predicts another: "
+        "naive_allreduce, ps, ...; python -m ddpexp --help lists them)"
+    )
+    for predictor, points in fitting:
+        print()
+        print(render(predictor, points))
     return 0

@@ -247,6 +247,7 @@ class Predictor:
 
     def point(self, devices: int, nodes: int = 1) -> Point:
         try:
+            self._check_devices(devices)
             job = self.workload(devices, nodes)
             collectives = self.strategy.communication(job=job)
             share = self.strategy.compute_share(job=job)
@@ -272,6 +273,17 @@ class Predictor:
             counted_bytes=sum(c.counted for c, _ in timed),
             timed=timed,
         )
+
+    def _check_devices(self, devices: int) -> None:
+        """A one-process strategy spreads over GPUs only (DataParallel): on a CPU host it runs one
+        replica however many devices are asked for, so a larger size predicts nothing real."""
+        if devices > 1 and not self.strategy.uses_process_group and self.host.device_type != "cuda":
+            raise UserError(
+                f"{self.strategy.settings.name} needs GPUs for more than one device: on a "
+                f"{self.host.device_type} host it runs one replica",
+                setting="--devices",
+                fix="predict a process-group strategy (--strategy ddp, fsdp, zero)",
+            )
 
     def points(self, devices: Sequence[int], nodes: Sequence[int] = (1,)) -> list[Point]:
         return [self.point(d, n) for n in nodes for d in devices if d >= n and d % n == 0]

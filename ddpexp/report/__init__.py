@@ -10,10 +10,13 @@ tensorboard's own event reader; nothing is re-measured. Written into the first d
                        fraction, times in seconds), with the row's group and warnings
   acc_vs_time.png      the best metric (eval/acc in %) against seconds since the job started, with the
                        --target line
-  loss_vs_step.png     training loss against optimizer step
+  loss_vs_step.png     training loss against optimizer step, log scale; curves that coincide keep
+                       markers of their own and say "identical to" in the legend
   throughput.png       samples/s per row (all devices; median, min-max bars when repeated)
-  scaling.png          scaling efficiency against device count (groups with a baseline whose device
-                       counts differ); `plot_scaling` also draws predicted curves when given some
+  scaling.png          strong scaling (groups with a baseline whose device counts differ) and weak
+                       scaling (below), one panel each; efficiencies > 1.05 ringed in red and labelled;
+                       `plot_scaling` also draws predicted curves when given some (identical ones once)
+Every plot and the table's strategy column label a row alike (labels.py).
 
 The table is printed on stdout too (columns that are "-" in every row left out), then the notes and
 every warning, one line each.
@@ -28,8 +31,12 @@ How runs are compared:
   baseline             the group's row of --baseline NAME (a strategy label such as `single` or
                        `ddp comm_hook=bf16`, or a run's name) if given, else its completed `single` row
                        (facts.strategy == "single"; of several, the one labelled plain `single`, then the
-                       one with most runs). Never "the fastest one-device run". No baseline: efficiency "-"
-                       and a warning.
+                       one with most runs), else its one-process row (ddp on 1 process, as
+                       experiment=scaling has). Never "the fastest one-device run". No baseline:
+                       efficiency "-" and a warning (a note instead when weak scaling compares the group).
+  weak scaling         rows of one model and data at one per-rank batch spanning several global batches
+                       and device counts, with a one-process row among them: per-device samples/s
+                       against that row's (experiment=scaling's trainer.batch_per_rank=32 runs)
   vs baseline          "no measurable difference" when the row's samples/s min-max range and the
                        baseline's overlap; otherwise the ratio of medians ("1.80x faster", "2.10x
                        slower"), marked "(n=1)" when either side ran once, so its spread is unknown
@@ -78,11 +85,15 @@ Facts a run lacks (older runs: threads, host_cpus, load_avg_*, job_ended_at, hos
 
 The package, one concern a module:
   runs.py              a run's record (ddpexp.runrecord) and TensorBoard scalars: `Run`, `find_runs`
+  rows.py              `Row`, `Group`, warnings' `Flag`, the baseline of a set of rows
+  labels.py            one label per row (strategy, and what tells rows of one strategy apart)
   groups.py            runs pooled into rows and groups, the baseline, "vs baseline": `group_runs`
+  weak.py              weak-scaling series across groups
   host_warnings.py     oversubscription, load and overlapping jobs, from the facts
   table.py             the table's cells (COLUMNS), as markdown or for a terminal
   records.py           --format csv|json
-  plots.py             the four PNGs; `plot_scaling` with predicted curves
+  plots.py             acc_vs_time, loss_vs_step and throughput PNGs, what all plots share
+  scaling_plot.py      scaling.png; `plot_scaling` with predicted curves
   prediction.py        --predict: the cost model's curves (ddpexp.predict) for scaling.png
   cli.py               the command line (`main`)
 """

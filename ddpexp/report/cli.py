@@ -8,15 +8,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .. import fsutil
-from .groups import Group, group_runs
-from .plots import plots
+from .groups import Group, context_line, group_runs
+from .plots import accuracy_figure, colours, loss_figure, save, throughput_figure
 from .prediction import prediction
 from .records import records, write_csv
 from .runs import find_runs
-from .table import heading, markdown, plain, table
+from .scaling_plot import scaling_figure
+from .table import heading, markdown, plain, table, weak_table
+from .weak import weak_scaling
+
+
+def plots(
+    groups: list[Group], out: Path, *, target: float, predicted: Callable[[Group], Any] | None = None
+) -> list[Path]:
+    """The four PNGs (each drawn only when it has something to show), one palette for all."""
+    palette = colours(groups)
+    title = context_line([run for group in groups for row in group.rows for run in row.runs])
+    figures = {
+        "acc_vs_time.png": accuracy_figure(groups, palette=palette, title=title, target=target),
+        "loss_vs_step.png": loss_figure(groups, palette=palette, title=title),
+        "throughput.png": throughput_figure(groups, palette=palette, title=title),
+        "scaling.png": scaling_figure(groups, palette=palette, title=title, predicted=predicted),
+    }
+    return [save(fig, out / name) for name, fig in figures.items() if fig is not None]
 
 
 def render_markdown(groups: list[Group], *, dirs: list[Path], target: float, images: list[Path]) -> str:
@@ -31,6 +50,8 @@ def render_markdown(groups: list[Group], *, dirs: list[Path], target: float, ima
         body += ["", f"## {heading(group)}", "", markdown(*table(group, target)), ""]
         body += [f"- note: {note}" for note in group.notes]
         body += [f"- [{flag.number}] warning: {flag.text}" for flag in group.flags()]
+    for series in weak_scaling(groups):
+        body += ["", f"## {series.title}", "", markdown(*weak_table(series)), ""]
     body += ["", *(f"![{p.stem}]({p.name})" for p in images), ""]
     return "\n".join(body)
 
@@ -42,6 +63,8 @@ def render_plain(groups: list[Group], target: float) -> str:
         lines += [f"note: {note}" for note in group.notes]
         lines += [f"warning [{flag.number}]: {flag.text}" for flag in group.flags()]
         lines.append("")
+    for series in weak_scaling(groups):
+        lines += [series.title, plain(*weak_table(series)), ""]
     return "\n".join(lines).rstrip("\n")
 
 

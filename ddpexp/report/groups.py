@@ -6,107 +6,22 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import statistics
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from ..runrecord import strategy_label
 from .host_warnings import run_warnings
+from .labels import distinct_labels, repeat_free_name
+from .rows import EFFICIENCY_LIMIT, Flag, Group, Row, pick_baseline
 from .runs import Run
+from .weak import covered, weak_scaling
 
-EFFICIENCY_LIMIT = 1.05  # above this, per-device speed grew with the device count: not real
 # Facts that differ between repeats of one configuration (the job's own clock and load readings).
 PER_RUN_FACTS = frozenset(
     {"seed", "repeat", "job_started_at", "job_ended_at", "load_avg_start", "load_avg_end", "resumed_from"}
     | {"command_started_at"}
     | {"sweep_varies"}  # this job's values of what the sweep varies: the run's name has them
 )
-REPEAT_KEYS = ("seed=", "repeat=", "+repeat=", "+seed=")
-
-
-@dataclass
-class Flag:
-    """One warning, numbered across the whole report: [number] in the table, the text below it."""
-
-    number: int
-    text: str
-
-
-@dataclass
-class Row:
-    """Runs of one configuration that differ only in seed or repeat (or one run that did not complete)."""
-
-    name: str
-    runs: list[Run]
-    efficiency: float | None = None
-    speedup: float | None = None  # median samples/s over the baseline's
-    versus: str = "-"
-    warnings: list[Flag] = field(default_factory=list)
-
-    @property
-    def facts(self) -> dict[str, Any]:
-        return self.runs[0].facts
-
-    @property
-    def status(self) -> str:
-        return self.runs[0].status
-
-    @property
-    def n(self) -> int:
-        return len(self.runs)
-
-    @property
-    def label(self) -> str:
-        return strategy_label(self.facts)
-
-    @property
-    def devices(self) -> int:
-        return self.runs[0].devices
-
-    @property
-    def metric(self) -> str:
-        return self.runs[0].metric
-
-    def throughputs(self) -> list[float]:
-        return [t for r in self.runs if (t := r.throughput()) is not None]
-
-    def per_run(self, value: Callable[[Run], float | None]) -> list[float]:
-        return [v for r in self.runs if (v := value(r)) is not None and not math.isnan(v)]
-
-    def median(self, value: Callable[[Run], float | None]) -> float | None:
-        values = self.per_run(value)
-        return statistics.median(values) if values else None
-
-    def spread(self, value: Callable[[Run], float | None]) -> tuple[float, float] | None:
-        values = self.per_run(value)
-        return (min(values), max(values)) if values else None
-
-    def per_device(self) -> float | None:
-        tput = self.median(Run.throughput)
-        return tput / self.devices if tput is not None else None
-
-
-@dataclass
-class Group:
-    """Runs of one (model, data, global batch): the only runs whose numbers are compared."""
-
-    model: str | None
-    data: str | None
-    global_batch_size: int | None
-    rows: list[Row]
-    baseline: Row | None = None
-    context: str = ""
-    notes: list[str] = field(default_factory=list)
-    warnings: list[Flag] = field(default_factory=list)
-
-    @property
-    def title(self) -> str:
-        batch = self.global_batch_size or "?"
-        return f"{self.model or 'model ?'} on {self.data or 'data ?'}, global batch {batch}"
-
-    def flags(self) -> list[Flag]:
-        return [*self.warnings, *(flag for row in self.rows for flag in row.warnings)]
 
 
 def group_runs(runs: list[Run], *, baseline: str | None = None) -> list[Group]:
@@ -118,13 +33,24 @@ def group_runs(runs: list[Run], *, baseline: str | None = None) -> list[Group]:
     out = []
     for (model, data, batch), members in sorted(groups.items(), key=lambda item: _group_order(item[0])):
         group = Group(model, data, batch, _rows(members), context=context_line(members))
+        labels = distinct_labels([(row.strategy, row.name) for row in group.rows])
+        for row, label in zip(group.rows, labels, strict=True):
+            row.label = label
         group.baseline = pick_baseline(group.rows, baseline)
         out.append(group)
     texts = {id(row): run_warnings(row.runs, runs) for group in out for row in group.rows}
     counter = itertools.count(1)  # warnings are numbered across the whole report
+    series = weak_scaling(out)
     for group in out:
-        group_texts = _compare(group, baseline)
+        weak = covered(group, series) if group.baseline is None and baseline is None else None
+        group_texts = [] if weak else _compare(group, baseline)
         group.notes = _notes(group)
+        if weak:  # a weak-scaling step: its comparison is the series', not a missing baseline
+            group.weak = weak.title
+            group.notes.append(
+                f"{group.title}: no one-process run at this global batch, so no strong-scaling "
+                f"efficiency; compared in weak scaling: {weak.title}"
+            )
         group.warnings = [Flag(next(counter), text) for text in group_texts]
         for row in group.rows:
             row_texts = [*efficiency_warnings(row), *texts[id(row)]]
@@ -152,28 +78,8 @@ def _rows(runs: list[Run]) -> list[Row]:
             rows[key] = Row(run.name, [run])
     for row in rows.values():
         if row.n > 1:
-            row.name = repeat_free_name(row.runs[0].name) or row.label
+            row.name = repeat_free_name(row.runs[0].name) or row.strategy
     return list(rows.values())
-
-
-def repeat_free_name(name: str) -> str:
-    """A run's name without its seed=/repeat= parts: `seed=1,strategy=ddp` → `strategy=ddp`."""
-    head, _, last = name.rpartition("/")
-    kept = [part for part in last.split(",") if not part.startswith(REPEAT_KEYS)]
-    return "/".join(p for p in (head, ",".join(kept)) if p)
-
-
-def pick_baseline(rows: list[Row], named: str | None) -> Row | None:
-    usable = [r for r in rows if r.status == "completed" and r.throughputs()]
-    if named is not None:
-        return next(
-            (r for r in usable if named in (r.label, r.name) or any(run.name == named for run in r.runs)),
-            None,
-        )
-    singles = [r for r in usable if r.facts.get("strategy") == "single"]
-    if not singles:
-        return None
-    return min(singles, key=lambda r: (r.label != "single", -r.n))
 
 
 def _compare(group: Group, named: str | None) -> list[str]:
@@ -182,7 +88,7 @@ def _compare(group: Group, named: str | None) -> list[str]:
     if base is None:
         if not any(row.throughputs() for row in group.rows):
             return []  # nothing to compare (failed runs only)
-        which = f"no run or strategy named {named!r} here" if named else "no completed `single` run"
+        which = f"no run or strategy named {named!r} here" if named else "no completed one-process run"
         return [
             f"{group.title}: no baseline ({which}): scaling efficiency not shown; name one with --baseline"
         ]

@@ -1,124 +1,160 @@
-"""The report's plots: acc_vs_time.png, loss_vs_step.png, throughput.png and scaling.png (with a cost
-model's predicted curves when given some), one colour per strategy label in every plot."""
+"""The report's plots acc_vs_time.png, loss_vs_step.png and throughput.png, and what every plot shares
+(scaling.png too: scaling_plot.py): one colour per strategy and one label per row, the table's
+strategy column."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .groups import Group, Row, context_line
+from ..runrecord import is_accuracy
+from .groups import Group
+from .rows import Row
 from .runs import Run
-from .table import is_accuracy
 
-MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")
-Predicted = Mapping[str, Sequence[tuple[int, float]]]  # strategy label -> [(devices, efficiency)]
+PLOT_WIDTH = 8.0  # inches
+MARKS_PER_CURVE = 8  # markers along a curve: enough to tell coincident curves apart, few enough to read
 
 
 def colours(groups: list[Group]) -> dict[str, Any]:
-    """One colour per strategy label, the same in every plot: sorted labels → tab10 (tab20 past ten)."""
+    """One colour per strategy (with its settings), the same in every plot: sorted → tab10 (tab20 past
+    ten)."""
     from matplotlib import colormaps
 
-    labels = sorted({row.label for group in groups for row in group.rows})
+    labels = sorted({row.strategy for group in groups for row in group.rows})
     cmap = colormaps["tab10" if len(labels) <= 10 else "tab20"]
     return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
 
 
-def plots(
-    groups: list[Group], out: Path, *, target: float, predicted: Callable[[Group], Predicted] | None = None
-) -> list[Path]:
-    palette = colours(groups)
-    title = context_line([run for group in groups for row in group.rows for run in row.runs])
-    figures = {
-        "acc_vs_time.png": accuracy_figure(groups, palette=palette, title=title, target=target),
-        "loss_vs_step.png": loss_figure(groups, palette=palette, title=title),
-        "throughput.png": throughput_figure(groups, palette=palette, title=title),
-        "scaling.png": scaling_figure(groups, palette=palette, title=title, predicted=predicted),
-    }
-    return [_save(fig, out / name) for name, fig in figures.items() if fig is not None]
-
-
-def plot_scaling(
-    groups: list[Group], path: Path, *, title: str = "", predicted: Predicted | None = None
-) -> Path | None:
-    """scaling.png with predicted curves (a cost model's) next to the measured points; None when no
-    group has a baseline and either several device counts or predictions."""
-    fig = scaling_figure(groups, palette=colours(groups), title=title, predicted=predicted)
-    return _save(fig, path) if fig is not None else None
-
-
-def _figure(panels: int, title: str, what: str) -> tuple[Any, list[Any]]:
+def figure(
+    panels: int, title: str, what: str, *, entries: int = 0, heights: list[float] | None = None
+) -> tuple[Any, list[Any]]:
+    """A figure of `panels` panels one above the other; with many legend entries, wider, the legend
+    going to the right of the plot (legend() with outside=True) so that it hides no curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 1.2 + 3.3 * panels))  # not pyplot's: nothing global to close
-    axes = fig.subplots(panels, 1, squeeze=False)
+    width = PLOT_WIDTH  # legend() widens it for a legend beside the plot
+    heights = heights or [3.6] * panels  # inches per panel
+    fig = Figure(figsize=(width, 1.2 + sum(heights)))  # not pyplot's: nothing global to close
+    axes = fig.subplots(panels, 1, squeeze=False, height_ratios=heights)
     fig.suptitle(f"{what} — {title}" if title else what, fontsize=10)
     return fig, [ax for (ax,) in axes]
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
 
 
-def _row_styles(group: Group, palette: dict[str, Any]) -> Iterable[tuple[Row, dict[str, Any]]]:
-    """Each row's colour (its strategy's) and a marker telling rows of one strategy apart."""
+def row_styles(group: Group, palette: dict[str, Any]) -> Iterable[tuple[Row, dict[str, Any]]]:
+    """Each row's colour (its strategy's) and a marker and line style telling rows of one strategy
+    apart."""
     seen: dict[str, int] = {}
     for row in group.rows:
-        index = seen[row.label] = seen.get(row.label, -1) + 1
+        index = seen[row.strategy] = seen.get(row.strategy, -1) + 1
         style = LINESTYLES[index % len(LINESTYLES)]
-        yield row, {"color": palette[row.label], "marker": MARKERS[index % len(MARKERS)], "linestyle": style}
+        yield (
+            row,
+            {"color": palette[row.strategy], "marker": MARKERS[index % len(MARKERS)], "linestyle": style},
+        )
+
+
+def _entries(groups: list[Group]) -> int:
+    """How much legend a figure has: its largest group's rows, counted as more than four (a legend
+    beside the plot, a wider figure) when a label is long."""
+    rows = max((len(group.rows) for group in groups), default=0)
+    longest = max((len(row.label) for group in groups for row in group.rows), default=0)
+    return max(rows, 5) if longest > 32 else rows
 
 
 def accuracy_figure(groups: list[Group], *, palette: dict[str, Any], title: str, target: float) -> Any:
     """The best metric (accuracies in %) against seconds since each job started, with the target."""
-    fig, axes = _figure(len(groups), title, "Eval metric vs time since the job started")
+    entries = _entries(groups)
+    fig, axes = figure(len(groups), title, "Eval metric vs time since the job started", entries=entries)
     for group, ax in zip(groups, axes, strict=True):
         metrics = sorted({row.metric for row in group.rows})
         percent = all(is_accuracy(tag) for tag in metrics)
         scale = 100.0 if percent else 1.0
-        for row, style in _row_styles(group, palette):
+        for row, style in row_styles(group, palette):
             for i, run in enumerate(row.runs):
                 points = run.scalars.get(run.metric, [])
                 if points and run.job_start is not None:
                     x = [wall - run.job_start for _, _, wall in points]
                     y = [value * scale for _, value, _ in points]
-                    ax.plot(x, y, **style, ms=4, lw=1.2, label=row.name if i == 0 else None)
+                    ax.plot(x, y, **style, ms=4, lw=1.2, alpha=0.85, label=row.label if i == 0 else None)
         shown = f"{100 * target:g}%" if percent else f"{target:g}"
         ax.axhline(target * scale, color="grey", ls="--", lw=1, label=f"target {shown}")
         ylabel = "eval accuracy (%)" if percent else ", ".join(metrics)
         ax.set(xlabel="seconds since the job started", ylabel=ylabel, title=group.title)
-        _legend(ax)
+        ax.grid(alpha=0.3)
+        legend(ax, outside=entries > 4)
     return fig
 
 
 def loss_figure(groups: list[Group], *, palette: dict[str, Any], title: str) -> Any:
-    fig, axes = _figure(len(groups), title, "Training loss vs step")
+    """Training loss against optimizer step on a log scale (the later, smaller losses stay readable).
+    Curves that coincide (equal strategies: the point of parity) each carry markers at steps of their
+    own, and say in the legend which curve they repeat."""
+    entries = _entries(groups)
+    fig, axes = figure(len(groups), title, "Training loss vs step", entries=entries)
     for group, ax in zip(groups, axes, strict=True):
-        for row, style in _row_styles(group, palette):
-            for i, run in enumerate(row.runs):
-                points = run.scalars.get("train/loss", [])
-                if points:
-                    steps, losses = [s for s, _, _ in points], [v for _, v, _ in points]
-                    colour, dashes = style["color"], style["linestyle"]
-                    ax.plot(steps, losses, color=colour, ls=dashes, lw=1, label=row.name if i == 0 else None)
-        ax.set(xlabel="optimizer step", ylabel="train loss", title=group.title)
-        _legend(ax)
+        curves = [
+            (row, style, i, run.scalars.get("train/loss", []))
+            for row, style in row_styles(group, palette)
+            for i, run in enumerate(row.runs)
+        ]
+        curves = [c for c in curves if c[3]]
+        drawn: dict[tuple[tuple[int, float], ...], str] = {}
+        for k, (row, style, i, points) in enumerate(curves):
+            steps, losses = [s for s, _, _ in points], [v for _, v, _ in points]
+            key = tuple((s, round(v, 6)) for s, v in zip(steps, losses, strict=True))
+            label = row.label if i == 0 else None
+            if label and key in drawn:
+                label += f" (identical to {drawn[key]})"
+            drawn.setdefault(key, row.label)
+            # Coinciding curves stay visible: each its own marker, earlier ones larger (rings around
+            # the later), at steps of its own where the curve is long enough
+            every = max(1, len(steps) // MARKS_PER_CURVE)
+            ax.plot(
+                steps,
+                losses,
+                color=style["color"],
+                ls=style["linestyle"],
+                marker=MARKERS[k % len(MARKERS)],
+                markevery=(((k * every) // len(curves)) % every, every),
+                ms=4 + 2.5 * (len(curves) - 1 - k) / max(len(curves) - 1, 1) * 2,
+                mfc="none" if k < len(curves) - 1 else style["color"],
+                lw=1,
+                label=label,
+            )
+        losses = [v for *_, points in curves for _, v, _ in points]
+        log = bool(losses) and min(losses) > 0 and max(losses) > 3 * min(losses)  # falls far: log
+        if log:
+            ax.set_yscale("log")
+        ylabel = "train loss (log scale)" if log else "train loss"
+        ax.set(xlabel="optimizer step", ylabel=ylabel, title=group.title)
+        ax.grid(alpha=0.3, which="both")
+        legend(ax, outside=entries > 4)
     return fig
 
 
 def throughput_figure(groups: list[Group], *, palette: dict[str, Any], title: str) -> Any:
     """Median samples/s per row, labelled; min-max error bars where a row has repeats."""
-    fig, axes = _figure(len(groups), title, "Throughput (median; bars: min-max of repeats)")
+    repeated = any(row.n > 1 for group in groups for row in group.rows)
+    what = "Throughput (median; bars: min-max of repeats)" if repeated else "Throughput"
+    heights = [1.4 + 0.45 * len(group.rows) for group in groups]  # bars of one thickness in every panel
+    fig, axes = figure(len(groups), title, what, heights=heights)
     for group, ax in zip(groups, axes, strict=True):
         rows = [row for row in group.rows if row.throughputs()][::-1]  # barh draws bottom-up
         medians = [row.median(Run.throughput) or 0.0 for row in rows]
-        ax.barh([row.name for row in rows], medians, color=[palette[row.label] for row in rows])
+        ax.barh([row.label for row in rows], medians, color=[palette[row.strategy] for row in rows])
         top = max((row.spread(Run.throughput) or (0.0, 1.0))[1] for row in rows) if rows else 1.0
         for y, (row, median) in enumerate(zip(rows, medians, strict=True)):
             low, high = row.spread(Run.throughput) or (median, median)
@@ -127,88 +163,22 @@ def throughput_figure(groups: list[Group], *, palette: dict[str, Any], title: st
             text = f"{median:,.0f}" + (f" (n={row.n})" if row.n > 1 else "")
             ax.text(high + top * 0.01, y, text, va="center", fontsize=8)
         ax.set_xlim(0, top * 1.25)
+        ax.set_ylim(-0.6, max(len(rows), 3) - 0.4)  # one or two bars stay bars, not blocks
         ax.set(xlabel="samples/s (all devices)", title=group.title)
     return fig
 
 
-def scaling_figure(
-    groups: list[Group],
-    *,
-    palette: dict[str, Any],
-    title: str,
-    predicted: Predicted | Callable[[Group], Predicted] | None = None,
-) -> Any | None:
-    """Scaling efficiency against devices, one panel per group that has a baseline and either several
-    device counts or predictions; error bars from the repeats' min-max samples/s. `predicted`
-    ({strategy label: [(devices, efficiency), ...]}, e.g. from a cost model) is drawn as dashed lines
-    in the strategy's colour on every panel: pass the groups it was predicted for; or a function
-    giving each group's own (`--predict`)."""
-    predicted = predicted or {}
-    shown = [
-        g
-        for g in groups
-        if g.baseline and (predicted or len({r.devices for r in g.rows if r.efficiency is not None}) > 1)
-    ]
-    if not shown:
-        return None
-    fig, axes = _figure(len(shown), title, "Scaling efficiency vs devices")
-    for group, ax in zip(shown, axes, strict=True):
-        ticks = _plot_measured(group, ax, palette)
-        curves = predicted(group) if callable(predicted) else predicted
-        for label, points in sorted(curves.items()):
-            devices, efficiency = zip(*sorted(points), strict=True) if points else ((), ())
-            colour = palette.get(label, "black")
-            ax.plot(devices, efficiency, ls="--", marker="x", color=colour, label=f"{label} (predicted)")
-            ticks |= set(devices)
-        ax.axhline(1.0, color="grey", lw=0.8, label="linear scaling")
-        ax.set_xticks(sorted(ticks))  # device counts are whole numbers: no tick at 1.5 devices
-        ax.set_xlim(min(ticks) - 0.5, max(ticks) + 0.5)
-        ax.margins(y=0.1)  # room above the highest marker
-        ax.set_ylim(bottom=0)
-        base = group.baseline.name if group.baseline else "-"
-        ax.set(xlabel="devices", ylabel="scaling efficiency", title=f"{group.title} (baseline: {base})")
-        _legend(ax)
-    return fig
-
-
-def _plot_measured(group: Group, ax: Any, palette: dict[str, Any]) -> set[int]:
-    """The group's measured efficiencies: a line per series (rows of one strategy label over device
-    counts), error bars from the repeats' min-max samples/s."""
-    base = group.baseline.per_device() if group.baseline else None
-    ticks: set[int] = set()
-    for label, index, rows in _series([row for row in group.rows if row.efficiency is not None]):
-        x = [row.devices for row in rows]
-        y = [row.efficiency or 0.0 for row in rows]
-        low, high = [], []
-        for row, eff in zip(rows, y, strict=True):
-            lo, hi = row.spread(Run.throughput) or (0.0, 0.0)
-            low.append(eff - lo / row.devices / base if base else 0.0)
-            high.append(hi / row.devices / base - eff if base else 0.0)
-        name = label if index == 0 else f"{label}: {', '.join(row.name for row in rows)}"
-        marker = MARKERS[index % len(MARKERS)]
-        ax.errorbar(x, y, yerr=[low, high], color=palette[label], marker=marker, capsize=3, label=name)
-        ticks |= set(x)
-    return ticks
-
-
-def _series(rows: list[Row]) -> list[tuple[str, int, list[Row]]]:
-    """Rows of one strategy label joined over device counts; a second row at a device count already
-    taken (another thread count, say) starts a series of its own rather than a vertical line."""
-    series: dict[str, list[list[Row]]] = {}
-    for row in rows:
-        lines = series.setdefault(row.label, [])
-        line = next((ln for ln in lines if all(r.devices != row.devices for r in ln)), None)
-        if line is None:
-            lines.append([row])
-        else:
-            line.append(row)
-    return [
-        (label, index, sorted(line, key=lambda row: row.devices))
-        for label, lines in sorted(series.items())
-        for index, line in enumerate(lines)
-    ]
-
-
-def _legend(ax: Any) -> None:
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+def legend(ax: Any, *, outside: bool = False) -> None:
+    """The panel's legend, fontsize 8; `outside`: beside the plot, where it hides no curve, the figure
+    widened by the legend's width so that the plot keeps its own."""
+    labels = ax.get_legend_handles_labels()[1]
+    if not labels:
+        return
+    if not outside:
+        ax.legend(fontsize=8)
+        return
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig = ax.figure
+    needed = PLOT_WIDTH + 0.8 + 0.062 * max(len(label) for label in labels)  # inches, at fontsize 8
+    if fig.get_figwidth() < needed:
+        fig.set_figwidth(needed)

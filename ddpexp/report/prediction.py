@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from ..runrecord import setting_text
 from .groups import Group
-from .plots import Predicted
+from .scaling_plot import Predicted
 
 
 def prediction(source: str) -> Callable[[Group], Predicted]:
@@ -27,13 +27,13 @@ def prediction(source: str) -> Callable[[Group], Predicted]:
         devices = list(range(1, max(4, *(row.devices for row in group.rows)) + 1))
         out: dict[str, list[tuple[int, float]]] = {}
         for row in group.rows:
-            if row is group.baseline or row.label in out:
+            if row is group.baseline or row.strategy in out:
                 continue
             settings = [
                 f"{k}={setting_text(v)}" for k, v in (row.facts.get("strategy_settings") or {}).items()
             ]
             try:
-                out[row.label] = predict_curve(
+                curve = predict_curve(
                     base.path,
                     devices,
                     interconnect=profile,
@@ -42,7 +42,12 @@ def prediction(source: str) -> Callable[[Group], Predicted]:
                     settings=settings,
                 )
             except UserError as exc:
-                print(f"warning: no prediction for {row.label}: {exc}")
+                print(f"warning: no prediction for {row.strategy}: {exc}")
+                continue
+            if any(d > 1 for d, _ in curve):
+                out[row.strategy] = curve
+            else:  # dp on a CPU host: one replica, whatever the device count
+                print(f"note: no prediction for {row.strategy} beyond one device on this host")
         return out
 
     return curves

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..runrecord import METRICS_FILE, RunRecordError, finite_number, read_run_record, steady
+from ..runrecord import METRICS_FILE, RunRecordError, finite_number, is_accuracy, read_run_record, steady
 
 
 @dataclass
@@ -116,7 +116,7 @@ def load_run(run_dir: Path, name: str) -> Run:
         record.final,
         record.best,
         record.started_at,
-        scalars=read_scalars(run_dir),
+        scalars=as_fractions(read_scalars(run_dir), record.final),
         history=record.history,
         wall_s=record.wall_s,
         time_to_first_step_s=record.time_to_first_step_s,
@@ -134,3 +134,19 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
     except Exception:  # a crashed run may leave a truncated event file: report what is readable
         return {}
     return {tag: [(e.step, e.value, e.wall_time) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def as_fractions(
+    scalars: dict[str, list[tuple[int, float, float]]], final: dict[str, Any]
+) -> dict[str, list[tuple[int, float, float]]]:
+    """Accuracies as fractions, as metrics.json has them: TensorBoard shows them in % (runs recorded
+    before that, as fractions), told apart by the last point against metrics.json's final value."""
+    out = dict(scalars)
+    for tag, points in scalars.items():
+        last, recorded = (points[-1][1] if points else None), finite_number(final.get(tag))
+        if not is_accuracy(tag) or last is None:
+            continue
+        percent = abs(last - 100 * recorded) < abs(last - recorded) if recorded is not None else last > 1
+        if percent:
+            out[tag] = [(step, value / 100, wall) for step, value, wall in points]
+    return out

@@ -8,9 +8,10 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from ..runrecord import finite_number
-from .groups import Group, Row
+from ..runrecord import finite_number, is_accuracy
+from .rows import EFFICIENCY_LIMIT, Group, Row
 from .runs import Run
+from .weak import WeakSeries
 
 COLUMNS = (
     "run",
@@ -147,10 +148,6 @@ def _resident(values: list[float | None]) -> str:
     return "/".join(f"{v:.2f}" for v in values if v is not None)
 
 
-def is_accuracy(tag: str) -> bool:
-    return tag == "eval/acc" or tag.startswith("eval/top")
-
-
 def _metric(tag: str, v: float | None) -> str:
     """Accuracies in %, anything else (eval/mse...) with its name."""
     if is_accuracy(tag):
@@ -183,6 +180,33 @@ def plain(header: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+WEAK_COLUMNS = ("run", "strategy", "devices", "global batch", "samples/s", "per device", "weak scaling eff.")
+
+
+def weak_table(series: WeakSeries) -> tuple[list[str], list[list[str]]]:
+    """A weak-scaling series: per device count, samples/s per device against the one-process run's;
+    an efficiency above EFFICIENCY_LIMIT is marked, as it cannot be real."""
+    cells = []
+    for row in series.rows:
+        efficiency = series.efficiency[id(row)]
+        shown = f"{efficiency:.2f}" + (" (impossible)" if efficiency > EFFICIENCY_LIMIT else "")
+        cells.append(
+            [
+                row.name,
+                row.label,
+                str(row.devices),
+                str(row.facts.get("global_batch_size", "?")),
+                _median_range(row, Run.throughput, "{:,.0f}"),
+                format_cell(row.per_device(), "{:,.0f}"),
+                "baseline" if row is series.baseline else shown,
+            ]
+        )
+    return list(WEAK_COLUMNS), cells
+
+
 def heading(group: Group) -> str:
-    base = f"baseline: {group.baseline.name}" if group.baseline else "no baseline"
+    if group.baseline:
+        base = f"baseline: {group.baseline.name}"
+    else:
+        base = "compared in weak scaling (below)" if group.weak else "no baseline"
     return f"{group.title} — {group.context or 'hardware unknown'}; {base}"
