@@ -337,9 +337,12 @@ def test_a_node_that_never_meets_node_0_says_where_it_waited(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []  # no run directory of its own
 
 
-def test_a_one_process_run_from_the_command_line_has_openmp_threads_that_sleep_while_waiting(tmp_path: Path):
+def test_a_one_process_run_from_the_command_line_has_openmp_threads_that_sleep_while_waiting(
+    tmp_path: Path, monkeypatch
+):
     """OpenMP reads its wait policy once, as torch loads: the command line sets it first, so a `single`
     run's threads do not spin on the core the other thread needs while anything else runs."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # an in-process run of this session set it
     result = run_ddpexp(tmp_path, "strategy=single", *QUICK, "trainer.max_steps=2", "hydra.run.dir=run")
     assert result.returncode == 0, result
     assert metrics(tmp_path / "run")["facts"]["wait_policy"] == "passive"
