@@ -75,6 +75,11 @@ def run_facts(
         "job_started_at": ctx.job_started_at,  # its clock: time to first step and to target count from it
         "command_started_at": job.command_started_at,  # the command's start, before imports and pre-flight
         "threads": torch.get_num_threads(),  # intra-op threads per process (trainer.threads)
+        "wait_policy": host.wait_policy(),  # OpenMP threads that spin starve their siblings on a busy host
+        # autogroup gives each session one share of a busy CPU: a run whose ranks each have their own
+        # gets several, and a comparison with one whose processes share one is not even
+        "sessions": p.nprocs_per_node if host.own_session() else 1,
+        "autogroup": host.autogroup(),
         "host_cpus": host.cpus(),
         "load_avg_start": job.load_at_start,  # 1-minute load average as the job started
         "gpu_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None,

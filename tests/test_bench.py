@@ -116,3 +116,15 @@ def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_pat
     bytes_pred, bytes_meas = (int(v.replace(",", "")) for v in row.split()[-4:-2])
     assert bytes_pred == bytes_meas == 116_536  # the ConvNet's gradients + DDP's buffer broadcast
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp-2-r0", "ddp-2-r1", "single-r0", "single-r1"]
+
+
+def test_busy_host_smoke_prints_every_contender_idle_and_busy():
+    lines = script_output("busy_host.py", "--smoke")
+    assert lines[1].split() == ["contender", "idle", "busy", "busy/idle"]
+    rows = [line for line in lines[2:] if not line.startswith("host:")]
+    assert [r.rsplit(maxsplit=5)[0] for r in rows] == [
+        "single",
+        "single, spin",
+        "single, 1 thread",
+        "ddp, 2 ranks",
+    ]

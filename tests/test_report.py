@@ -280,6 +280,34 @@ def _warning_cases() -> dict[str, tuple[list[tuple[str, dict[str, Any]]], str, s
             "strategy=ddp",
             "oversubscribed: 2 processes x 4 threads = 8 busy threads on 4 cores",
         ),
+        "a session per process": (
+            [
+                (single[0], {**single[1], "autogroup": True, "sessions": 1}),
+                (
+                    "strategy=ddp",
+                    {
+                        "strategy": "ddp",
+                        "devices": 2,
+                        "samples_per_s": 160.0,
+                        "autogroup": True,
+                        "sessions": 2,
+                    },
+                ),
+            ],
+            "strategy=ddp",
+            "its 2 processes had a session each (torchrun starts workers so)",
+        ),
+        "spinning threads": (
+            [
+                (single[0], {**single[1], "wait_policy": "default", "threads": 2}),
+                (
+                    "strategy=ddp",
+                    {"strategy": "ddp", "devices": 2, "samples_per_s": 160.0, "wait_policy": "passive"},
+                ),
+            ],
+            "strategy=single",
+            "its OpenMP threads spin while they wait",
+        ),
         "no baseline": (
             [("strategy=ddp", {"strategy": "ddp", "devices": 2, "samples_per_s": 160.0})],
             "",

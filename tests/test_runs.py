@@ -155,6 +155,19 @@ def test_strategy_facts(parity_sweep: Path):
         assert f["load_avg_end"] is not None
 
 
+def test_every_contender_gets_one_cpu_share_and_openmp_threads_that_sleep_while_waiting(parity_sweep: Path):
+    """On a busy host each strategy gets what a one-process run gets: the ranks stay in the command's
+    session (the autogroup scheduler's unit of CPU share), and no OpenMP thread spins on a core its
+    sibling needs. (single and dp ran in this process, whose torch was loaded before ddpexp could set
+    the wait policy: the next test runs one from the command line.)"""
+    for strategy in PARITY_STRATEGIES:
+        facts = metrics(parity_sweep / f"strategy={strategy}")["facts"]
+        assert facts["sessions"] == 1, strategy
+        if facts["world_size"] > 1:
+            assert facts["wait_policy"] == "passive", strategy
+        assert facts["autogroup"] in (True, False, None)
+
+
 def test_init_and_start_methods_train_to_the_same_parameters_as_env(parity_sweep: Path, tmp_path: Path):
     """tcp:// and file:// rendezvous, with workers started as fresh interpreters (spawn) instead of
     forked from the forkserver, train exactly as parity_sweep's env:// forkserver run."""
@@ -186,6 +199,7 @@ def _assert_one_run_like_self_launch(result, parity_sweep: Path) -> None:
     assert list((result.cwd / "outputs").glob("*/*")) == [run_dir]
     facts = metrics(run_dir)["facts"]
     assert facts["launcher"] == "torchrun" and facts["world_size"] == 2
+    assert facts["sessions"] == 2  # torchrun starts each worker in a session of its own: the report warns
     self_launched = weights(parity_sweep / "strategy=ddp")
     for name, value in weights(run_dir).items():
         assert torch.equal(value, self_launched[name]), name
@@ -321,3 +335,29 @@ def test_a_node_that_never_meets_node_0_says_where_it_waited(tmp_path: Path):
     (line,) = result.stderr.strip().splitlines()
     assert f"127.0.0.1:{port + 1}" in line and "dist.node_rank=0" in line and "dist.timeout_s=1" in line
     assert list(tmp_path.iterdir()) == []  # no run directory of its own
+
+
+def test_a_one_process_run_from_the_command_line_has_openmp_threads_that_sleep_while_waiting(
+    tmp_path: Path, monkeypatch
+):
+    """OpenMP reads its wait policy once, as torch loads: the command line sets it first, so a `single`
+    run's threads do not spin on the core the other thread needs while anything else runs."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # an in-process run of this session set it
+    result = run_ddpexp(tmp_path, "strategy=single", *QUICK, "trainer.max_steps=2", "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    assert metrics(tmp_path / "run")["facts"]["wait_policy"] == "passive"
+
+
+@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}])
+def test_a_wait_policy_of_your_own_is_kept(monkeypatch, env: dict[str, str]):
+    from ddpexp import host
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(host, "_policy_loaded", None)
+    monkeypatch.delitem(sys.modules, "torch")  # as the command line finds it: torch not loaded yet
+    host.quiet_waits()
+    assert os.environ.get("OMP_WAIT_POLICY") == env.get("OMP_WAIT_POLICY")  # not made PASSIVE
+    assert host.wait_policy() == ("active" if "OMP_WAIT_POLICY" in env else "spin 1000")

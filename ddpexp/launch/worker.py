@@ -210,7 +210,13 @@ def _release_forkserver() -> None:
 def forked_main(spec: WorkerSpec) -> None:
     """A self-launched worker, in the process the launcher's multiprocessing context started: take the
     launcher's environment and the rank's log, then run as any worker does."""
-    os.setsid()  # its own session: stopped with its DataLoader children, out of the terminal's Ctrl-C
+    # Its own process group, stopped with its DataLoader children and out of the terminal's Ctrl-C, but
+    # in the command's session: the autogroup scheduler gives a session one share of a busy CPU, and a
+    # session per rank would give a run of N ranks N shares against a one-process run's one.
+    os.setpgid(0, 0)
+    signal.signal(
+        signal.SIGTTOU, signal.SIG_IGN
+    )  # rank 0 writes to the terminal from outside its foreground group
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # its forkserver's is blocked (warmup.py)
     set_process_name(f"ddpexp-rank{spec.rank}")
     _release_forkserver()

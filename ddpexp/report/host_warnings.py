@@ -1,5 +1,6 @@
 """Warnings about the host a run ran on, read from its facts: oversubscribed cores, other load at
-the start or during the run (the 1-minute load average), and jobs that overlapped on one machine."""
+the start or during the run (the 1-minute load average), jobs that overlapped on one machine, and runs
+that the scheduler did not treat alike."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def run_warnings(runs: list[Run], everyone: list[Run]) -> list[str]:
         out += oversubscription(run)
         out += load_warnings(run, previous_on_host(run, everyone))
         out += overlaps(run, everyone)
+        out += unequal_scheduling(run, everyone)
     return out
 
 
@@ -132,3 +134,28 @@ def overlaps(run: Run, everyone: list[Run]) -> list[str]:
         f"{run.name}: ran at the same time as {names} on {where} (up to {longest:.0f} s of its "
         f"{end - start:.0f} s): each slowed the other, so neither measures its strategy alone"
     ]
+
+
+def unequal_scheduling(run: Run, everyone: list[Run]) -> list[str]:
+    """What makes a busy host favour one run over another on the same machine: more of the autogroup
+    scheduler's CPU shares (one per session: torchrun starts each worker in its own), or OpenMP threads
+    that spin while they wait where the others' sleep. Runs that recorded neither are not judged."""
+    f, out = run.facts, []
+    others = [o for o in everyone if o is not run and same_machine(run, o)]
+    sessions = int(f.get("sessions") or 1)
+    fewer = [o for o in others if "sessions" in o.facts and int(o.facts["sessions"] or 1) < sessions]
+    if f.get("autogroup") and "sessions" in f and fewer:
+        out.append(
+            f"{run.name}: its {sessions} processes had a session each (torchrun starts workers so): on a "
+            "busy host Linux's autogroup scheduler gives each session a share of the CPU, so it had "
+            f"{sessions} shares against fewer for {fewer[0].name}: launch the runs alike or compare on an "
+            "idle host"
+        )
+    sleeping = [o for o in others if o.facts.get("wait_policy") not in (None, "default")]
+    if f.get("wait_policy") == "default" and int(f.get("threads") or 1) > 1 and sleeping:
+        out.append(
+            f"{run.name}: its OpenMP threads spin while they wait (torch was loaded before ddpexp could set "
+            f"OMP_WAIT_POLICY=PASSIVE, as in a notebook), those of {sleeping[0].name} sleep: on a busy "
+            "host it slows far more; set OMP_WAIT_POLICY=PASSIVE before torch is imported"
+        )
+    return out
