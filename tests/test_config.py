@@ -3,6 +3,7 @@ composition or pre-flight with one line, exit code 2, and nothing started or cre
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -93,6 +94,34 @@ def test_help_lists_every_group_and_option():
     for group, option in OPTIONS:
         assert group in text
         assert option in text
+
+
+def test_help_describes_each_option_in_whole_sentences():
+    """Each option's --help line is the first sentence of its YAML header, however many comment lines
+    that sentence takes: never cut where the first line ends."""
+    text = help_text(conf_dir())
+    described = {}
+    group = None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line.endswith(":"):
+            group = line.strip()[:-1]
+        elif group is not None and line.startswith("    ") and not line.startswith("     "):
+            option, _, description = line.strip().partition(" ")
+            described[group, option] = description.strip()
+        elif not line.strip():
+            group = None
+    for group, option in OPTIONS:
+        description = described[group, option]
+        header = " ".join(
+            line.lstrip("# ").strip()
+            for line in itertools.takewhile(
+                lambda line: line.startswith("#"),
+                (Path(conf_dir()) / group / f"{option}.yaml").read_text().splitlines(),
+            )
+            if not line.startswith("# @package")
+        )
+        assert description.endswith("."), f"{group}={option}: {description!r} stops mid-sentence"
+        assert header.startswith(description), (group, option, description)
 
 
 def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node(tmp_path, monkeypatch):
