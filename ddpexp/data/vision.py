@@ -34,13 +34,13 @@ from .source import (
     resolve_root,
 )
 
+if TYPE_CHECKING:  # torchvision is imported when a dataset of its is used
+    from torchvision.datasets import MNIST
+
 MNIST_SPLITS = ("train", "t10k")
 # IDX magic numbers: 0x08 = unsigned bytes, then the number of dimensions.
 IDX_IMAGES, IDX_LABELS = 0x00000803, 0x00000801
 CLASSES = 10
-
-if TYPE_CHECKING:  # torchvision is imported when a dataset of its is used
-    from torchvision.datasets import MNIST
 
 
 class TorchvisionMNIST(DataSource):
