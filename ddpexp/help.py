@@ -1,8 +1,9 @@
 """`ddpexp --help`: the config groups and their options, one line each, read from conf/ itself
-(each YAML file's first comment line), so the help can never fall out of date."""
+(the first sentence of each YAML file's header comment), so the help can never fall out of date."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 # Listed first, in this order; any other group folder in conf/ (except hydra) follows alphabetically.
@@ -44,11 +45,21 @@ Outputs: each run directory holds config.yaml, plan.json, metrics.json, model.pt
 Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m/--multirun, --config-dir DIR."""
 
 
+# A sentence ends at . ! or ? followed by a capital (so "e.g. the" does not end one) or by the end.
+SENTENCE = re.compile(r".*?[.!?](?=\s+[A-Z]|$)")
+
+
 def first_comment(path: Path) -> str:
+    """The first sentence of the file's header comment, which may run over several comment lines."""
+    header = []
     for line in path.read_text().splitlines():
-        if line.startswith("#") and not line.startswith("# @package"):
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#"):
+            break
+        if not line.startswith("# @package"):
+            header.append(line.lstrip("# ").strip())
+    text = " ".join(header)
+    sentence = SENTENCE.match(text)
+    return sentence.group() if sentence else text
 
 
 def help_text(conf_dir: str | None = None) -> str:

@@ -23,11 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import composition, fsutil, host, remote
 from .errors import NothingToDo, UserError
-from .job import Outcome
+from .job import Job, Outcome
 from .launch import warmup
-from .launch.supervise import STOP_SIGNALS
+from .launch.supervise import STOP_SIGNALS, error_summary, read_error
 from .plan import ExternalWorld
-from .recorder import settle_lost
+from .recorder import finish_metrics, settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,6 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
     from hydra.core.hydra_config import HydraConfig
 
     from . import launch
-    from .job import Job
     from .launch import torchrun
     from .plan import HostFacts
     from .preflight import check_job
@@ -201,6 +200,8 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
         job.save()
         requeue = _submitit_requeue() if on_signal else None
         code = launch.run(job)
+        if code != 0 and external is None:
+            record_failure(job, code)
         if requeue is not None and code in STOP_CODES and _status(run_dir) == "preempted":
             requeue()  # submitit requeues this job (the same overrides, so the same run dir) and exits
         return Outcome(run_dir=run_dir, exit_code=code)
@@ -213,6 +214,18 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
     finally:
         if claim is not None:
             claim.release()
+
+
+def record_failure(job: Job, code: int) -> None:
+    """A run that ended before rank 0's recorder opened (its data failed to download or load, its model
+    to build) left no metrics.json: write one that says how it ended, with the error its rank 0 left,
+    so that every launched run's directory holds a record for the report and the API."""
+    if (job.run_dir / METRICS_FILE).exists():
+        return
+    error = read_error(job.run_dir, 0)
+    status = "interrupted" if code in STOP_CODES else "failed"
+    why = error_summary(error) if error is not None else f"exit code {code}"
+    finish_metrics(job.run_dir, status, why, facts=job.summary())
 
 
 def _varies(hc: Any) -> tuple[str, ...]:

@@ -158,9 +158,10 @@ def test_a_strategy_added_from_tests_trains_through_the_cli(single_run: ddpexp.R
     assert "Key 'stages' not in 'TinyConfig'" in refused.stderr
 
 
-def test_an_optimising_sweeper_gets_each_job_s_best_metric(tmp_path: Path, monkeypatch):
+def test_an_optimising_sweeper_gets_each_job_s_best_metric(tmp_path: Path, monkeypatch, capfd):
     """Optuna picks optim.lr from an interval (which the basic sweeper cannot expand); each trial's
-    task returns its best eval accuracy, and the study's best value is the best of the trials."""
+    task returns its best eval accuracy, and the study's best value is the best of the trials. The
+    sweep prints none of the INFO lines alembic (imported by optuna's storage) logs as it loads."""
     import yaml
 
     monkeypatch.chdir(tmp_path)
@@ -180,6 +181,8 @@ def test_an_optimising_sweeper_gets_each_job_s_best_metric(tmp_path: Path, monke
     assert len(set(lrs)) == 2 and all(0.001 <= lr <= 0.1 for lr in lrs)
     study = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
     assert study["best_value"] == max(r.best_value for r in results)  # type: ignore[type-var]
+    printed = capfd.readouterr()
+    assert "alembic" not in printed.out + printed.err, printed.out
 
 
 def test_each_job_of_a_sweep_starts_its_own_clock(tmp_path: Path, monkeypatch):

@@ -3,7 +3,9 @@ composition or pre-flight with one line, exit code 2, and nothing started or cre
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,67 @@ def test_help_lists_every_group_and_option():
     for group, option in OPTIONS:
         assert group in text
         assert option in text
+
+
+def test_help_describes_each_option_in_whole_sentences():
+    """Each option's --help line is the first sentence of its YAML header, however many comment lines
+    that sentence takes: never cut where the first line ends."""
+    text = help_text(conf_dir())
+    described = {}
+    group = None
+    for line in text.splitlines():
+        if line.startswith("  ") and not line.startswith("   ") and line.endswith(":"):
+            group = line.strip()[:-1]
+        elif group is not None and line.startswith("    ") and not line.startswith("     "):
+            option, _, description = line.strip().partition(" ")
+            described[group, option] = description.strip()
+        elif not line.strip():
+            group = None
+    for group, option in OPTIONS:
+        description = described[group, option]
+        header = " ".join(
+            line.lstrip("# ").strip()
+            for line in itertools.takewhile(
+                lambda line: line.startswith("#"),
+                (Path(conf_dir()) / group / f"{option}.yaml").read_text().splitlines(),
+            )
+            if not line.startswith("# @package")
+        )
+        assert description.endswith("."), f"{group}={option}: {description!r} stops mid-sentence"
+        assert header.startswith(description), (group, option, description)
+
+
+def _table_rows(page: Path, heading: str) -> dict[str, list[str]]:
+    """The first table under `heading` on `page`: each row's name (its first cell, `code` or a
+    [link]; the header row has neither) -> every `name` in the rest of the row."""
+    text = ("\n" + page.read_text()).split(f"\n{heading}\n", 1)[1]
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        first, *rest = (cell.strip() for cell in line.strip("|").split("|"))
+        name = re.match(r"`([\w.]+)`|\[([\w.]+)\]", first)
+        if name:
+            rows[name[1] or name[2]] = re.findall(r"`([\w.]+)`", " | ".join(rest))
+    return rows
+
+
+def test_the_docs_option_tables_list_every_option_of_every_group():
+    """getting-started's Options table has a row per group with exactly its options, the strategies
+    page's table lists every strategy option, and comparing's Presets table every experiment."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    options = {g: {o for group, o in OPTIONS if group == g} for g in GROUPS}
+    table = _table_rows(docs / "getting-started.md", "## Options")
+    shown = {g for g in GROUPS if options[g] and g != "experiment"}
+    assert set(table) == shown, (set(table), shown)
+    for group in shown:
+        assert set(table[group]) == options[group], group
+    by_strategy = _table_rows(docs / "strategies" / "index.md", "# Strategies")
+    assert {o for listed in by_strategy.values() for o in listed} >= options["strategy"]
+    presets = _table_rows(docs / "comparing.md", "## Presets")
+    assert set(presets) == options["experiment"], set(presets) ^ options["experiment"]
 
 
 def test_slurm_launcher_composes_and_jobs_are_checked_against_the_slurm_node(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..fsutil import atomic_write_text
-from .source import DataInfo, DataSource, Split, Splits, missing_files_error, resolve_root
+from .source import DataInfo, DataSource, Download, Split, Splits, fetched, missing_files_error, resolve_root
 
 PAD, UNK = "<pad>", "<unk>"
 VOCAB_FILE = "vocab.json"
@@ -78,19 +78,30 @@ class IMDB(DataSource):
         # so models can be built (and checked) before the vocabulary exists.
         return DataInfo(num_classes=2, input_shape=(self.max_len,), vocab_size=self.max_size + 2, pad_index=0)
 
+    def missing(self) -> list[Path]:
+        splits = [self.tree() / s / c for s in ("train", "test") for c in ("pos", "neg")]
+        return [folder for folder in splits if not folder.is_dir()]
+
+    def to_download(self) -> Download | None:
+        if not (self.download and self.missing()):
+            return None
+        return Download(
+            name=self.name,
+            urls=(IMDB_URL,),
+            into=resolve_root(self.root),
+            setting_root=self.root,
+            layout="aclImdb/{train,test}/{pos,neg}/*.txt (the archive, unpacked)",
+        )
+
     def check(self) -> None:
-        missing = [
-            self.tree() / s / c
-            for s in ("train", "test")
-            for c in ("pos", "neg")
-            if not (self.tree() / s / c).is_dir()
-        ]
-        if missing and not self.download:
+        if self.missing() and not self.download:
             raise missing_files_error("imdb", self.tree(), self.root)
 
     def prepare(self, work_dir: Path) -> None:
-        if self.download:
-            download_imdb(resolve_root(self.root))
+        download = self.to_download()
+        if download is not None:
+            with fetched(download):
+                download_imdb(resolve_root(self.root))
         self.check()
         texts, _ = read_split(self.tree() / "train")
         vocab = Vocab.build(texts, min_freq=self.min_freq, max_size=self.max_size)
@@ -121,8 +132,6 @@ IMDB_MD5 = "7c2ac02c03563afcf9b574c7e56c153a"
 
 
 def download_imdb(root: Path) -> None:
-    if (root / "aclImdb" / "train").is_dir():
-        return
     from torchvision.datasets.utils import download_and_extract_archive
 
     download_and_extract_archive(IMDB_URL, str(root), md5=IMDB_MD5)

@@ -1,9 +1,10 @@
 """The types every data source shares: what a model needs to know, the splits, the source contract,
-and the one-line errors for missing or damaged files."""
+and the one-line errors for missing or damaged files and for downloads that cannot happen."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,10 +62,51 @@ class Splits:
     fingerprint: str | None = None
 
 
+@dataclass(frozen=True)
+class Download:
+    """What a source would fetch now (data.download=true and files missing): from any one of `urls`
+    (mirrors, tried in order) into `into`, where the files go in their published `layout`."""
+
+    name: str
+    urls: tuple[str, ...]
+    into: Path
+    setting_root: str  # data.root as given
+    layout: str  # the files as they must lie under data.root, for a user who copies them in
+
+    def error(self, url: str, reason: str) -> Exception:
+        """The one line for a download that cannot happen (pre-flight) or did not (rank 0's prepare)."""
+        others = len(self.urls) - 1
+        tried = f" (nor {others} other mirror{'s' * (others > 1)})" if others > 0 else ""
+        return UserError(
+            f"{self.name} cannot be downloaded into {self.into}: {url}{tried}: {reason}",
+            setting="data.download",
+            fix=f"download them on a machine with network and copy them into data.root={self.setting_root} "
+            f"as {self.layout}, then set data.download=false; or use data=synthetic or data=digits, which "
+            "need no files",
+        )
+
+
+@contextlib.contextmanager
+def fetched(download: Download) -> Iterator[None]:
+    """A download that fails (no route, a refused or dropped connection, a bad checksum: torchvision
+    raises URLError, other OSErrors or RuntimeError) ends as the same one line pre-flight gives."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        # torchvision's mirror loop says "Error downloading F: Tried M, got: ..." over several lines.
+        raise download.error(download.urls[0], " ".join(str(reason).split())) from exc
+
+
 class DataSource:
     """A dataset before loading. Subclasses override what applies to them."""
 
     name = "dataset"
+
+    def to_download(self) -> Download | None:
+        """What prepare() would download, or None: nothing (files present, data.download=false, or a
+        source with nothing to fetch). Cheap, no network: pre-flight checks its hosts can be reached."""
+        return None
 
     def info(self) -> DataInfo:
         raise NotImplementedError

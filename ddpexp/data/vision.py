@@ -16,12 +16,26 @@ import math
 import pickle
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .source import DataInfo, DataSource, Split, Splits, corrupt_file_error, missing_files_error, resolve_root
+from .source import (
+    DataInfo,
+    DataSource,
+    Download,
+    Split,
+    Splits,
+    corrupt_file_error,
+    fetched,
+    missing_files_error,
+    resolve_root,
+)
+
+if TYPE_CHECKING:  # torchvision is imported when a dataset of its is used
+    from torchvision.datasets import MNIST
 
 MNIST_SPLITS = ("train", "t10k")
 # IDX magic numbers: 0x08 = unsigned bytes, then the number of dimensions.
@@ -39,7 +53,7 @@ class TorchvisionMNIST(DataSource):
         self.mean, self.std = mean, std
 
     @property
-    def dataset_class(self) -> type:
+    def dataset_class(self) -> type[MNIST]:
         from torchvision import datasets
 
         return datasets.FashionMNIST if self.name == "fashion_mnist" else datasets.MNIST
@@ -50,10 +64,26 @@ class TorchvisionMNIST(DataSource):
     def info(self) -> DataInfo:
         return DataInfo(num_classes=10, input_shape=(1, 28, 28))
 
+    def missing(self) -> list[str]:
+        raw = self.raw_dir()
+        return [name for split in MNIST_SPLITS for name in idx_names(split) if not (raw / name).exists()]
+
+    def to_download(self) -> Download | None:
+        if not (self.download and self.missing()):
+            return None
+        folder = self.dataset_class.__name__
+        return Download(
+            name=self.name,
+            urls=tuple(self.dataset_class.mirrors),
+            into=self.raw_dir(),
+            setting_root=self.root,
+            layout=f"{folder}/raw/{{train,t10k}}-{{images-idx3,labels-idx1}}-ubyte (IDX files, unzipped)",
+        )
+
     def check(self) -> None:
         raw = self.raw_dir()
         names = [name for split in MNIST_SPLITS for name in idx_names(split)]
-        missing = [name for name in names if not (raw / name).exists()]
+        missing = self.missing()
         if missing and not self.download:
             raise missing_files_error(
                 self.name, raw, self.root, missing if len(missing) < len(names) else None
@@ -63,9 +93,11 @@ class TorchvisionMNIST(DataSource):
                 check_idx_pair(*(raw / name for name in idx_names(split)))
 
     def prepare(self, work_dir: Path) -> None:
-        if self.download:
-            for train in (True, False):
-                self.dataset_class(str(resolve_root(self.root)), train=train, download=True)
+        download = self.to_download()
+        if download is not None:
+            with fetched(download):
+                for train in (True, False):
+                    self.dataset_class(str(resolve_root(self.root)), train=train, download=True)
 
     def load(self, work_dir: Path) -> Splits:
         self.check()
@@ -149,12 +181,28 @@ class CIFAR10(DataSource):
     def info(self) -> DataInfo:
         return DataInfo(num_classes=10, input_shape=(3, 32, 32))
 
+    def missing(self) -> list[str]:
+        return [name for name in CIFAR_TRAIN + CIFAR_TEST if not (self.batch_dir() / name).exists()]
+
+    def to_download(self) -> Download | None:
+        if not (self.download and self.missing()):
+            return None
+        from torchvision import datasets
+
+        return Download(
+            name=self.name,
+            urls=(datasets.CIFAR10.url,),
+            into=resolve_root(self.root),
+            setting_root=self.root,
+            layout=f"{CIFAR_DIR}/{{data_batch_1..5,test_batch}} (the python version, unpacked)",
+        )
+
     def check(self) -> None:
         """Every batch is there and not empty; what is inside is checked as it is unpickled (a whole
         batch has to be read for that: too slow for pre-flight)."""
         names = CIFAR_TRAIN + CIFAR_TEST
         paths = [self.batch_dir() / name for name in names]
-        missing = [path.name for path in paths if not path.exists()]
+        missing = self.missing()
         if missing and not self.download:
             raise missing_files_error(
                 "cifar10", self.batch_dir(), self.root, missing if len(missing) < len(names) else None
@@ -164,10 +212,12 @@ class CIFAR10(DataSource):
             raise corrupt_file_error(empty, "is empty")
 
     def prepare(self, work_dir: Path) -> None:
-        if self.download:
+        download = self.to_download()
+        if download is not None:
             from torchvision import datasets
 
-            datasets.CIFAR10(str(resolve_root(self.root)), train=True, download=True)
+            with fetched(download):
+                datasets.CIFAR10(str(resolve_root(self.root)), train=True, download=True)
 
     def load(self, work_dir: Path) -> Splits:
         self.check()

@@ -22,7 +22,14 @@ from ..errors import UserError
 from ..launch import warmup
 from ..plan import ExternalWorld, HostFacts, Plan
 from ..validate import check_split_sizes, plan
-from .machine import check_cpu_processes, check_init_file, check_master_addr, check_port, check_worker_memory
+from .machine import (
+    check_cpu_processes,
+    check_download,
+    check_init_file,
+    check_master_addr,
+    check_port,
+    check_worker_memory,
+)
 from .outputs import check_output_dir, check_run_dir, check_sweep_dir
 from .resuming import check_auto_resume, check_optimizer_state
 
@@ -199,6 +206,9 @@ def check_job(
     optim.check(cfg.optim)
     source = instantiate_data(cfg.data)
     source.check()
+    download = source.to_download()
+    if download is not None and not joining:  # another machine's rank 0 downloads
+        check_download(download)
     info = source.info()
     check_task(cfg, info)
     if info.train_samples is not None and info.eval_samples is not None:

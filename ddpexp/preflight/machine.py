@@ -1,12 +1,12 @@
 """Pre-flight's checks of this machine and its network: the worker processes fit its cores and memory,
-and the rendezvous (address, port, file) can be reached or made."""
+the rendezvous (address, port, file) can be reached or made, and a dataset to download can be."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -14,9 +14,14 @@ from .. import host
 from ..errors import UserError
 from ..plan import Plan
 
+if TYPE_CHECKING:  # the data package imports torch
+    from ..data.source import Download
+
 # What a worker forked from the forkserver (torch already imported) holds of its own once its process
 # group and loop run, before its model and data: the floor of the memory check's estimate.
 WORKER_BASELINE_BYTES = 100 << 20
+# A download host that takes no connection in this long is as good as unreachable for the run.
+DOWNLOAD_CONNECT_TIMEOUT_S = 5.0
 
 
 def check_cpu_processes(cfg: DictConfig, p: Plan) -> None:
@@ -116,3 +121,39 @@ def check_init_file(cfg: DictConfig) -> None:
             fix="put it in a directory you can write to, on a filesystem every rank can see, "
             "or leave dist.init_file unset",
         ) from exc
+
+
+def check_download(download: Download, *, timeout_s: float = DOWNLOAD_CONNECT_TIMEOUT_S) -> None:
+    """A dataset that will be downloaded: one of its hosts (or the proxy urllib would use for it, from
+    http_proxy/https_proxy as the download itself reads them) takes a TCP connection. Without one, the
+    run would fail only after its processes started and torchvision tried every mirror."""
+    reasons = []
+    for url in download.urls:
+        reason = _unreachable(url, timeout_s)
+        if reason is None:
+            return
+        reasons.append(reason)
+    raise download.error(download.urls[0], reasons[0])
+
+
+def _unreachable(url: str, timeout_s: float) -> str | None:
+    """Why a connection to `url`'s host (or its proxy) cannot be opened, or None when it can."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(url)
+    address = (parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    via = ""
+    if proxy and not urllib.request.proxy_bypass(address[0]):
+        proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        address = (proxied.hostname or "", proxied.port or 80)
+        via = f" through the proxy {address[0]}:{address[1]}"
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except TimeoutError:
+        return f"no connection{via} within {timeout_s:g} s"
+    except OSError as exc:
+        return f"unreachable{via} ({exc.strerror or exc})"
+    return None
