@@ -254,14 +254,13 @@ def _peer_cause(
     `before`, or ended without a word (killed, os._exit); None while it runs, or when its failure
     echoes rank 0's."""
     from ..procstat import how_it_ended
-    from .supervise import error_summary, read_error
+    from .supervise import error_summary, read_error, stopped_from_outside
 
     error = read_error(run_dir, rank)
     if error is not None and error.get("time", 0.0) < since:
         error = None  # an earlier attempt's
     if error is not None and error["type"] == "Interrupted":
-        name = signal.Signals(error["exit_code"] - 128).name
-        return _PeerCause(0, error["time"], rank, f"stopped by {name} (not sent by ddpexp)")
+        return _PeerCause(0, error["time"], rank, stopped_from_outside(error["exit_code"] - 128))
     if error is not None:
         return _PeerCause(1, error["time"], rank, error_summary(error)) if error["time"] < before else None
     how = how_it_ended(where["pid"], where["started"])
