@@ -13,6 +13,39 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write through `write(file)` into a temporary file beside `path`, fsync it, then rename it over
     `path`. If anything fails (a full disk, a crash), `path` keeps its previous content and the
     temporary file is removed."""
+    tmp = _temporary_beside(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_all(files: dict[Path, str]) -> None:
+    """Write several text files, each whole, all or none: every one is written beside its path first,
+    and only once all are on disk do they replace what was there. A full disk part-way leaves every
+    file as it was (a set that belongs together, such as a resumed run's config and plan)."""
+    written: dict[Path, Path] = {}
+    try:
+        for path, text in files.items():
+            written[path] = _temporary_beside(path, _writing(text.encode()))
+        for path, tmp in written.items():
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for directory in {path.parent for path in files}:
+        _fsync_dir(directory)
+
+
+def _writing(data: bytes) -> Callable[[IO[bytes]], object]:
+    return lambda f: f.write(data)
+
+
+def _temporary_beside(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
+    """A temporary file in `path`'s directory holding what `write` wrote, on disk; none if that fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -21,11 +54,10 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    return Path(tmp)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

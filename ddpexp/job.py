@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .config import Config
-from .fsutil import atomic_write_text
+from .fsutil import atomic_write_all
 from .plan import Plan
 
 CONFIG_FILE = "config.yaml"
@@ -80,14 +80,20 @@ class Job:
             varies=tuple(d.get("varies", ())),
         )
 
-    def save(self) -> None:
+    def save(self, *, with_files: dict[Path, str] | None = None) -> None:
+        """The job's config and plan in its run dir, with `with_files`: all of them or none (a full
+        disk leaves a resumed run's earlier files as they were)."""
+        atomic_write_all({**(with_files or {}), **self.files()})
+
+    def files(self) -> dict[Path, str]:
+        """What the run dir holds of the job: its resolved config and its plan."""
         d = self.to_dict()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.run_dir / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(d["config"])))
-        atomic_write_text(
-            self.run_dir / PLAN_FILE,
-            json.dumps({k: v for k, v in d.items() if k not in ("config", "run_dir")}, indent=2),
-        )
+        return {
+            self.run_dir / CONFIG_FILE: OmegaConf.to_yaml(OmegaConf.create(d["config"])),
+            self.run_dir / PLAN_FILE: json.dumps(
+                {k: v for k, v in d.items() if k not in ("config", "run_dir")}, indent=2
+            ),
+        }
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ and launches it. Used by the command line and by the in-process API alike; neith
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 import logging
@@ -65,12 +66,14 @@ def run_jobs(
     report: Callable[[Outcome], None],
     config_name: str = composition.CONFIG_NAME,
     sweep_dir: Path | None = None,
+    hydra_subdir: str | None = None,
 ) -> list[Outcome]:
     """Run the job (or every job of the sweep) through Hydra; `started_at` is when the command began
     (facts.command_started_at). Each job's clock starts when that job starts, the first's too, once
     what the jobs share is ready (launch/warmup.finish): a job's time to first step and to target are
     its own, wherever it runs in the sweep. `report` hears of each job as it ends (the command line
-    prints its run dir and error)."""
+    prints its run dir and error). `hydra_subdir`: where each job writes Hydra's record of itself,
+    which pre-flight told Hydra not to write (hydra_record)."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -80,7 +83,13 @@ def run_jobs(
 
     def task(cfg: DictConfig) -> float | None:
         warmup.finish()  # a no-op after the first job, and in a process that did no pre-flight
-        outcome = run_job(cfg, started_at=time.time(), command_started_at=started_at, sweep=multirun)
+        outcome = run_job(
+            cfg,
+            started_at=time.time(),
+            command_started_at=started_at,
+            sweep=multirun,
+            hydra_subdir=hydra_subdir,
+        )
         outcomes.append(outcome)
         with suppress(OSError):  # stdout gone (a closed terminal or pipe): the run dir says it all,
             report(outcome)  # and the sweep must still stop or go on as the outcome says
@@ -154,9 +163,17 @@ def _logging_restored() -> Iterator[None]:
         root.setLevel(level)
 
 
-def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sweep: bool = False) -> Outcome:
+def run_job(
+    cfg: DictConfig,
+    *,
+    started_at: float,
+    command_started_at: float,
+    sweep: bool = False,
+    hydra_subdir: str | None = None,
+) -> Outcome:
     """One job: check it again on the machine it runs on, record it, launch it. A sweep's job first
-    claims its own directory (a plain run's was claimed with the command's) and checks what it holds."""
+    claims its own directory (a plain run's was claimed with the command's) and checks what it holds;
+    only then is anything written there, Hydra's record of the job (`hydra_subdir`) too."""
     from hydra.core.hydra_config import HydraConfig
 
     from . import launch
@@ -174,6 +191,7 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
     on_signal = cfg.trainer.checkpoint_on_signal
     if on_signal is None:
         on_signal = external is None and any(k in os.environ for k in SCHEDULER_ENV)
+    given = copy.deepcopy(cfg)  # as Hydra composed it, for its record
     claim = None
     try:
         if sweep:  # another run may have taken this directory since the sweep began
@@ -197,7 +215,9 @@ def run_job(cfg: DictConfig, *, started_at: float, command_started_at: float, sw
             checkpoint_on_signal=on_signal,
             varies=_varies(hc) if sweep else (),
         )
-        job.save()
+        record = hydra_record(given, run_dir, hydra_subdir) if hydra_subdir is not None else {}
+        with _disk_full_stops_the_command():  # a resumed run's files stay as they were, all of them
+            job.save(with_files=record)
         requeue = _submitit_requeue() if on_signal else None
         code = launch.run(job)
         if code != 0 and external is None:
@@ -226,6 +246,40 @@ def record_failure(job: Job, code: int) -> None:
     status = "interrupted" if code in STOP_CODES else "failed"
     why = error_summary(error) if error is not None else f"exit code {code}"
     finish_metrics(job.run_dir, status, why, facts=job.summary())
+
+
+def hydra_record(cfg: DictConfig, run_dir: Path, subdir: str) -> dict[Path, str]:
+    """What Hydra writes of a job before running it (config.yaml, hydra.yaml, overrides.yaml), for the
+    job to write once its directory is its own; hydra.yaml says what the user chose, not the override
+    that stopped Hydra writing it (preflight.HYDRA_RECORD_OFF)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict, read_write
+
+    from .preflight import HYDRA_RECORD_OFF
+
+    hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)
+    assert isinstance(hydra_cfg, DictConfig)
+    with read_write(hydra_cfg.hydra), open_dict(hydra_cfg.hydra):  # Hydra made its node read-only
+        hydra_cfg.hydra.output_subdir = subdir
+        given = hydra_cfg.hydra.overrides.hydra
+        hydra_cfg.hydra.overrides.hydra = [o for o in given if o != HYDRA_RECORD_OFF]
+    files = {"config.yaml": cfg, "hydra.yaml": hydra_cfg, "overrides.yaml": hydra_cfg.hydra.overrides.task}
+    return {run_dir / subdir / name: OmegaConf.to_yaml(content) for name, content in files.items()}
+
+
+class DiskFull(BaseException):
+    """The disk filled while a job's directory was set up: raised past Hydra, which would print a line
+    of its own for any Exception, to run_command, which says so in one line (runner.disk_full)."""
+
+
+@contextmanager
+def _disk_full_stops_the_command() -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise DiskFull(exc) from exc
 
 
 def _varies(hc: Any) -> tuple[str, ...]:
@@ -297,11 +351,13 @@ def run_command(
             report=report,
             config_name=config_name,
             sweep_dir=checked.output_dir if multirun else None,
+            hydra_subdir=checked.hydra_subdir,
         )
         if multirun and checked.output_dir is not None and checked.output_dir.is_dir():
             print(report_command(checked.output_dir), flush=True)  # the sweep's answer is one command away
         return outcomes
-    except OSError as exc:
+    except (OSError, DiskFull) as caught:
+        exc = caught.args[0] if isinstance(caught, DiskFull) else caught
         if exc.errno != errno.ENOSPC or checked.output_dir is None:
             raise
         if claim is not None:

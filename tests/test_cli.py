@@ -452,21 +452,21 @@ def test_a_disk_with_a_few_kb_free_is_refused_before_anything_is_made(
     assert setting in line and "12 KiB free" in line and "free space" in line, line
 
 
-def test_a_disk_that_fills_as_hydra_writes_its_files_leaves_nothing(tmp_path: Path, monkeypatch, capsys):
-    """The disk fills between pre-flight and Hydra's first write (.hydra/config.yaml): one line, and
-    the directories this command made are gone, from the command line and from ddpexp.run."""
+def test_a_disk_that_fills_as_the_run_dir_is_set_up_leaves_nothing(tmp_path: Path, monkeypatch, capsys):
+    """The disk fills between pre-flight and the first file of the run (Hydra's record of it,
+    .hydra/config.yaml): one line, and the directories this command made are gone, from the command
+    line and from ddpexp.run."""
     import errno
     import os
 
-    import hydra.core.utils
-
     import ddpexp
+    from ddpexp import fsutil
     from ddpexp.errors import UserError
 
     def full(*args: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(hydra.core.utils, "_save_config", full)
+    monkeypatch.setattr(fsutil, "_temporary_beside", full)  # every file ddpexp writes
     line = refuse(tmp_path, monkeypatch, capsys, "hydra.run.dir=out/run")
     assert "hydra.run.dir" in line and "out/run" in line and os.strerror(errno.ENOSPC) in line, line
     with pytest.raises(UserError, match="No space left on device"):

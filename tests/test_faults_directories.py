@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -105,8 +106,8 @@ def test_workers_take_their_job_from_the_launcher_not_from_the_run_dir(tmp_path:
 
     save = Job.save
 
-    def save_then_overwrite(self: Job) -> None:
-        save(self)
+    def save_then_overwrite(self: Job, **kwargs: Any) -> None:
+        save(self, **kwargs)
         decoy = (self.run_dir / CONFIG_FILE).read_text().replace("max_steps: 3", "max_steps: 1")
         (self.run_dir / CONFIG_FILE).write_text(decoy)
 
@@ -209,10 +210,9 @@ def test_a_stale_rendezvous_file_in_the_run_dir_does_not_block_resume(tmp_path: 
 
 def _results(directory: Path) -> dict[str, bytes]:
     """What a run writes (config.yaml, plan.json, metrics.json, model.pt, checkpoints, TensorBoard
-    events, logs), without the claim's lock file (it names whoever holds or last held the directory)
-    and Hydra's own record of a job (.hydra/), which Hydra writes before any code of the job runs."""
-    files = _snapshot(directory).items()
-    return {k: v for k, v in files if not k.startswith(".hydra/") and k != fsutil.CLAIM_FILE}
+    events, logs) and Hydra's record of it (.hydra/), without the claim's lock file (it names whoever
+    holds or last held the directory)."""
+    return {k: v for k, v in _snapshot(directory).items() if k != fsutil.CLAIM_FILE}
 
 
 def test_a_sweep_job_whose_directory_another_run_took_is_refused_and_the_sweep_says_so(
@@ -220,8 +220,8 @@ def test_a_sweep_job_whose_directory_another_run_took_is_refused_and_the_sweep_s
 ):
     """While a sweep runs, a plain run takes the directory of its next job and completes there, and
     another ddpexp run holds the directory of the job after that. Each of those two jobs is refused
-    (one line naming the directory, exit 2), the other run's results keep every byte, the sweep's own
-    job runs, and the sweep ends with exit 2."""
+    (one line naming the directory, exit 2), the other run's results keep every byte (Hydra's record
+    of the run in .hydra/ too), the sweep's own job runs, and the sweep ends with exit 2."""
     sweep = tmp_path / "sweep"
     plain_dir, held_dir = sweep / "seed=1", sweep / "seed=2"
     holder = subprocess.Popen(  # another ddpexp run holding the claim, as a running launcher does
@@ -263,6 +263,7 @@ def test_a_sweep_job_whose_directory_another_run_took_is_refused_and_the_sweep_s
     ], result.stderr
     assert f"run dir: {plain_dir}  (exit code 2)" in result.stdout, result
     assert f"run dir: {held_dir}  (exit code 2)" in result.stdout, result
+    assert {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"} <= taken.keys()
     assert _results(plain_dir) == taken
     assert metrics(plain_dir)["status"] == "completed"
     assert metrics(sweep / "seed=0")["status"] == "completed"
@@ -305,3 +306,44 @@ def test_a_resumed_sweep_says_its_completed_jobs_are_complete_and_resumes_the_ot
     assert _results(done) == before
     m = metrics(failed)
     assert m["status"] == "completed" and m["attempts"] == 2 and m["final"]["step"] == 4, m
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names a written file from /proc")
+@pytest.mark.parametrize("fills_at", [".hydra/hydra.yaml", "plan.json"])
+def test_a_disk_that_fills_as_a_resumed_run_is_set_up_changes_nothing_it_saved(
+    tmp_path: Path, monkeypatch, fills_at: str
+):
+    """trainer.resume=auto of a finished run, and the disk fills while the resumed run's files are
+    written (Hydra's record of it, config.yaml, plan.json): one line, exit 2, and the earlier run's
+    files (config.yaml, metrics.json, checkpoints, model.pt, .hydra/) keep every byte, not half of
+    them the resumed run's. The disk is found full where a real one says so: writing back (fsync)."""
+    import errno
+
+    args = [*QUICK, "checkpoint.every_steps=1", "hydra.run.dir=out/run"]
+    first = run_here(tmp_path, *args, "trainer.max_steps=2")
+    assert first.returncode == 0, first
+    run_dir = tmp_path / "out" / "run"
+    before = _results(run_dir)
+    assert {"config.yaml", "plan.json", "metrics.json", ".hydra/hydra.yaml"} <= before.keys()
+    name, fsync = "." + Path(fills_at).name + ".", os.fsync
+
+    def full_at_that_file(fd: int) -> None:
+        written = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if written.name.startswith(name) and (run_dir / fills_at).parent == written.parent:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_at_that_file)
+    again = run_here(tmp_path, *args, "trainer.max_steps=4", "trainer.resume=auto")
+    monkeypatch.undo()
+    assert again.returncode == 2, again
+    assert again.stderr.strip().splitlines() == [
+        "ddpexp: error: hydra.run.dir: cannot write to out/run: No space left on device (fix: free space "
+        "on that disk, or choose a hydra.run.dir on another)"
+    ], again.stderr
+    after = _results(run_dir)
+    assert {k: v for k, v in after.items() if k != "ddpexp.log"} == {
+        k: v for k, v in before.items() if k != "ddpexp.log"
+    }
+    assert after["ddpexp.log"].startswith(before["ddpexp.log"])  # the log may say more, never less
+    assert not [p for p in run_dir.rglob("*.tmp")]

@@ -60,6 +60,11 @@ class Interrupted(Exception):
         self.code = code
 
 
+def stopped_from_outside(signum: int) -> str:
+    """How a rank that a signal from outside stopped is named, by the launcher and by torchrun's rank 0."""
+    return f"stopped by {signal.Signals(signum).name} (not sent by ddpexp)"
+
+
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(128 + signum)
 
@@ -445,7 +450,7 @@ class Supervisor:
             if code < 0:
                 summary = f"failed: killed by {signal.Signals(-code).name}"
             elif code in SIGNAL_EXITS:
-                summary = f"stopped by {SIGNAL_EXITS[code].name} (not sent by ddpexp)"
+                summary = stopped_from_outside(SIGNAL_EXITS[code])
             else:
                 summary = f"failed: exited with code {code}"
             return Cause(f"rank {w.rank}", summary, tail(w.log_path, start=w.log_from))

@@ -33,6 +33,8 @@ from .machine import (
 from .outputs import check_output_dir, check_run_dir, check_sweep_dir
 from .resuming import check_auto_resume, check_optimizer_state
 
+HYDRA_RECORD_OFF = "hydra.output_subdir=null"
+
 
 @dataclass(frozen=True)
 class Checked:
@@ -45,6 +47,9 @@ class Checked:
     # The directory the run (hydra.run.dir) or the sweep (hydra.sweep.dir) writes into, pinned in
     # `overrides` to what pre-flight resolved: the caller claims it before Hydra writes anything.
     output_dir: Path | None = None
+    # Where each job's Hydra record goes (hydra.output_subdir): Hydra is told to write none, and the
+    # job writes it once its directory is its own (runner.hydra_record).
+    hydra_subdir: str | None = None
 
 
 def preflight(
@@ -94,13 +99,14 @@ def preflight(
     pin, output_dir = _pinned_output_dir(first, multirun=multirun) if first is not None else ([], None)
     if output_dir is not None and multirun:
         check_sweep_dir(output_dir, first.trainer.resume)  # type: ignore[union-attr]
-    overrides = overrides + pin
+    record, hydra_subdir = _hydra_record_by_the_job(first) if first is not None else ([], None)
+    overrides = overrides + pin + record
     if not multirun or not varying:
-        return Checked(overrides, output_dir=output_dir)
+        return Checked(overrides, output_dir=output_dir, hydra_subdir=hydra_subdir)
     # Name sweep sub-directories after what varies between the jobs only (readable TensorBoard runs).
     constant = sorted({composition.override_key(o) for o in jobs[0]} - varying)
     exclude = [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(constant)}]"] if constant else []
-    return Checked(overrides + exclude, output_dir=output_dir)
+    return Checked(overrides + exclude, output_dir=output_dir, hydra_subdir=hydra_subdir)
 
 
 def with_repeats(overrides: list[str], *, multirun: bool) -> list[str]:
@@ -122,6 +128,15 @@ def with_repeats(overrides: list[str], *, multirun: bool) -> list[str]:
             fix=f"add -m: python -m ddpexp -m ... trainer.repeats={value}",
         )
     return [*overrides, f"repeat=range(0,{value})"] if int(value) > 1 else overrides
+
+
+def _hydra_record_by_the_job(cfg: DictConfig) -> tuple[list[str], str | None]:
+    """Hydra writes its record of a job (`.hydra/`: config.yaml, hydra.yaml, overrides.yaml) before any
+    code of the job runs, over what is there: in a sweep job's directory that another run has taken,
+    that run's record. The override that tells Hydra to write none, and where the job writes it."""
+    if "hydra" not in cfg or cfg.hydra.output_subdir is None:
+        return [], None
+    return [HYDRA_RECORD_OFF], str(cfg.hydra.output_subdir)
 
 
 def _pinned_output_dir(cfg: DictConfig, *, multirun: bool) -> tuple[list[str], Path | None]:
