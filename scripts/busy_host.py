@@ -13,6 +13,7 @@ default spin before sleeping (GOMP_SPINCOUNT=300000: how ddpexp ran before it se
 
     python scripts/busy_host.py                 # 3 repeats of 2 epochs (about 10 min on 2 idle cores)
     python scripts/busy_host.py --smoke         # one short repeat: it runs, no timing claims (CI)
+    python scripts/busy_host.py --spins 10000,30000   # also `single` with those GOMP_SPINCOUNTs
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="one repeat of a few steps: it runs, no claims")
+    parser.add_argument(
+        "--spins", default="", help="GOMP_SPINCOUNT values to try `single` with, e.g. 10000,30000"
+    )
     args = parser.parse_args()
+    for count in filter(None, args.spins.split(",")):
+        CONTENDERS[f"single, spin {int(count)}"] = (["strategy=single"], {"GOMP_SPINCOUNT": str(int(count))})
     extra = ["trainer.max_steps=4"] if args.smoke else []
     repeats, epochs = (1, 1) if args.smoke else (args.repeats, args.epochs)
     speeds: dict[tuple[str, str], list[float]] = {}
