@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..job import Job
-    from .arrivals import Arrivals
 
 JOB_KEY = "ddpexp/job"
 PEER_KEY = "ddpexp/peer"  # /<restart>/<rank>: where that rank runs (host, pid, start time)
@@ -132,17 +131,16 @@ def publish_error(exc: UserError) -> None:
 
 def lead(job: Job) -> int:
     """Rank 0 under torchrun: hand the job to the other ranks, then train as rank 0."""
-    from . import arrivals
     from .supervise import sigterm_raises
     from .worker import exit_with_parent
 
     exit_with_parent(os.getppid())  # the agent: never train on as its orphan
-    with sigterm_raises(), arrivals.timed() as signals:
+    with sigterm_raises():
         since = time.time()
         store = _store()
         _announce(store)
         store.set(JOB_KEY, json.dumps(job.to_dict()))
-        return _train(job, store, since=since, signals=signals)
+        return _train(job, store, since=since)
 
 
 def follow() -> int:
@@ -163,7 +161,7 @@ def follow() -> int:
         return _train(Job.from_dict(payload), store, since=since)
 
 
-def _train(job: Job, store: Any, *, since: float, signals: Arrivals | None = None) -> int:
+def _train(job: Job, store: Any, *, since: float) -> int:
     from ..context import RunContext
     from .supervise import Interrupted, signals_ignored
     from .worker import configure_process, execute, run_guarded
@@ -176,8 +174,7 @@ def _train(job: Job, store: Any, *, since: float, signals: Arrivals | None = Non
         code = exc.code
     if ctx.is_main and code not in (0, UserError.exit_code):
         with signals_ignored():  # the agent's SIGTERM, sent once a peer has ended, must not cut it short
-            stopped_at = signals.first(signal.SIGTERM) if signals is not None else None
-            blame_a_peer(job, store, since=since, stopped_at=stopped_at)
+            blame_a_peer(job, store, since=since)
     return code
 
 
@@ -194,22 +191,21 @@ def _restart() -> str:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
-def blame_a_peer(job: Job, store: Any, *, since: float, stopped_at: float | None = None) -> None:
+def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     """Rank 0 failed (or the agent stopped it): if a peer on this machine ended before it (killed,
     stopped by a signal from outside, exited, or failed with an error of its own earlier), that peer
     is the run's cause, not rank 0's broken connection to it. metrics.json's error and the console
-    name it; torchrun's own summary says the same only in the agent's output. `stopped_at`: when the
-    SIGTERM that stopped rank 0 arrived (arrivals.py), if one did and the kernel said when."""
+    name it; torchrun's own summary says the same only in the agent's output."""
     from ..recorder import finish_metrics
     from ..runrecord import read_run_record_or_none
 
     record = read_run_record_or_none(job.run_dir)
     if record is None or record.status not in ("failed", "interrupted") or record.started_at is None:
         return
-    # Interrupted: by torchrun's SIGTERM to every rank at once (each then records it, after it
-    # arrived), or by the one the agent sends once a peer has ended, if it came before rank 0's own
-    # broken connection: that peer recorded its end (or left none, killed) before the signal arrived.
-    interrupted = record.status == "interrupted"
+    # Interrupted: by torchrun's SIGTERM to every rank (each then leaves a record of it), or by the one
+    # the agent sends once a peer has ended, if it came before rank 0's own broken connection. Only a
+    # peer that ended without a word (killed) tells the second from the first.
+    silent_only = record.status == "interrupted"
     failed_at = record.started_at + (record.wall_s or 0.0)  # when rank 0's run recorded how it ended
     host, world = socket.gethostname(), int(os.environ["WORLD_SIZE"])
     peers = {}
@@ -224,7 +220,7 @@ def blame_a_peer(job: Job, store: Any, *, since: float, stopped_at: float | None
     while peers:  # the peer that broke the connection has said so, or is gone, within moments
         for rank, where in peers.items():
             cause = _peer_cause(job.run_dir, rank, where, since=since, before=failed_at)
-            if cause is not None and (not interrupted or cause.silent or cause.ended_before(stopped_at)):
+            if cause is not None and (cause.silent or not silent_only):
                 causes.append(cause)
         if causes or time.monotonic() > deadline:
             break
@@ -242,9 +238,6 @@ class _PeerCause(NamedTuple):
     rank: int
     summary: str
     silent: bool = False  # it left no record: killed, or os._exit
-
-    def ended_before(self, when: float | None) -> bool:
-        return when is not None and self.time < when
 
 
 def _peer_cause(
