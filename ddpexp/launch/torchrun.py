@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import socket
 import sys
 import time
