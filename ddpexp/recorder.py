@@ -74,12 +74,11 @@ BOARD_CONSTANT = (
     "mem/optim_state_mb",
     "eval/samples",
 )
-TAGS = (
+TAGS = (  # the charts TensorBoard shows for every run
     "train/loss",
     "train/epoch_loss",
     "eval/loss",
     "eval/acc",
-    "eval/samples",
     "perf/samples_per_s",
     "perf/epoch_time_s",
     "opt/lr",
