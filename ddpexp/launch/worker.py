@@ -214,9 +214,8 @@ def forked_main(spec: WorkerSpec) -> None:
     # in the command's session: the autogroup scheduler gives a session one share of a busy CPU, and a
     # session per rank would give a run of N ranks N shares against a one-process run's one.
     os.setpgid(0, 0)
-    signal.signal(
-        signal.SIGTTOU, signal.SIG_IGN
-    )  # rank 0 writes to the terminal from outside its foreground group
+    # rank 0 writes to the terminal from outside its foreground group (a terminal with `stty tostop`)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # its forkserver's is blocked (warmup.py)
     set_process_name(f"ddpexp-rank{spec.rank}")
     _release_forkserver()
