@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
 
         print(help_text())
         return
+    if torchrun.rank() is not None:  # before the store's threads start: they would inherit no mask
+        from .launch import senders
+
+        senders.watch((signal.SIGTERM,))  # the agent's SIGTERM to every rank from one sent to one rank
     if torchrun.is_follower():
         sys.exit(torchrun.follow())
     if not _is_plain_run(args):  # --cfg, --info, --shell-completion...: Hydra's own business

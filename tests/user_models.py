@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,8 +43,9 @@ def tied(*, num_classes: int, input_shape: list[int]) -> nn.Module:
 
 class Misbehaving(nn.Module):
     """A linear model whose training forward number `at_call` on rank `rank` does `action`: `hang`
-    (waits for an event nobody sets, as a deadlock does) or `exit` (os._exit(3), as a C extension
-    that calls exit() does: no exception, no Python cleanup)."""
+    (waits for an event nobody sets, as a deadlock does; first it touches the file $MISBEHAVING_MARK,
+    if set, for a test to wait on) or `exit` (os._exit(3), as a C extension that calls exit() does: no
+    exception, no Python cleanup)."""
 
     def __init__(self, *, num_classes: int, input_shape: list[int], rank: int, at_call: int, action: str):
         super().__init__()
@@ -57,6 +59,8 @@ class Misbehaving(nn.Module):
             if self.calls == self.at_call:
                 if self.action == "exit":
                     os._exit(3)
+                if "MISBEHAVING_MARK" in os.environ:  # a test waits for this moment
+                    Path(os.environ["MISBEHAVING_MARK"]).touch()
                 threading.Event().wait()
         return self.body(x)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -194,17 +195,21 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     """Rank 0 failed (or the agent stopped it): if a peer on this machine ended before it (killed,
     stopped by a signal from outside, exited, or failed with an error of its own earlier), that peer
     is the run's cause, not rank 0's broken connection to it. metrics.json's error and the console
-    name it; torchrun's own summary says the same only in the agent's output."""
+    name it; torchrun's own summary says the same only in the agent's output. A broken connection to
+    peers the agent had already stopped, with no other cause, is the agent's stop: interrupted."""
     from ..recorder import finish_metrics
     from ..runrecord import read_run_record_or_none
+    from .supervise import read_error
 
     record = read_run_record_or_none(job.run_dir)
     if record is None or record.status not in ("failed", "interrupted") or record.started_at is None:
         return
-    # Interrupted: by torchrun's SIGTERM to every rank (each then leaves a record of it), or by the one
-    # the agent sends once a peer has ended, if it came before rank 0's own broken connection. Only a
-    # peer that ended without a word (killed) tells the second from the first.
-    silent_only = record.status == "interrupted"
+    # Stopped from outside rank 0 was, as every rank (Slurm's scancel, kill of the process group): only
+    # a peer that ended without a word came first. Stopped by the agent, rank 0 was stopping because
+    # some rank ended: one stopped from outside, killed, or failed on its own.
+    own = read_error(job.run_dir, 0)
+    by_agent = own is not None and own.get("time", 0.0) >= since and _by_agent(own)
+    silent_only = record.status == "interrupted" and not by_agent
     failed_at = record.started_at + (record.wall_s or 0.0)  # when rank 0's run recorded how it ended
     host, world = socket.gethostname(), int(os.environ["WORLD_SIZE"])
     peers = {}
@@ -224,11 +229,26 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
         if causes or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    if causes and all(c.stopped_by_agent for c in causes):
+        if record.status == "failed":
+            why = f"{min(causes).summary}, as every rank was (rank 0 lost its peers before its own came)"
+            finish_metrics(job.run_dir, "interrupted", why, facts={})
+        return
+    causes = [c for c in causes if not c.stopped_by_agent]
     if not causes:
         return
     first = min(causes)
     finish_metrics(job.run_dir, "failed", f"rank {first.rank}: {first.summary}", facts={})
     print(f"ddpexp: rank {first.rank} of {world} {first.summary}; rank 0 failed after it", file=sys.stderr)
+
+
+def _by_agent(error: dict[str, Any]) -> bool:
+    """Whether a rank's recorded stop was sent by its parent, torchrun's agent (launch/senders.py)."""
+    return error.get("sent_by") is not None and error["sent_by"] == error.get("parent")
+
+
+def stopped_by_agent(signum: int) -> str:
+    return f"stopped by {signal.Signals(signum).name} from torchrun's agent"
 
 
 class _PeerCause(NamedTuple):
@@ -237,6 +257,7 @@ class _PeerCause(NamedTuple):
     rank: int
     summary: str
     silent: bool = False  # it left no record: killed, or os._exit
+    stopped_by_agent: bool = False  # torchrun's agent stopped it, as it stops every rank
 
 
 def _peer_cause(
@@ -252,7 +273,12 @@ def _peer_cause(
     if error is not None and error.get("time", 0.0) < since:
         error = None  # an earlier attempt's
     if error is not None and error["type"] == "Interrupted":
-        return _PeerCause(0, error["time"], rank, stopped_from_outside(error["exit_code"] - 128))
+        signum = error["exit_code"] - 128
+        if _by_agent(error):  # stopped with every rank: it explains only a broken connection after it
+            if error["time"] >= before:
+                return None
+            return _PeerCause(0, error["time"], rank, stopped_by_agent(signum), stopped_by_agent=True)
+        return _PeerCause(0, error["time"], rank, stopped_from_outside(signum))
     if error is not None:
         return _PeerCause(1, error["time"], rank, error_summary(error)) if error["time"] < before else None
     how = how_it_ended(where["pid"], where["started"])

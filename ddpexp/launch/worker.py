@@ -29,6 +29,7 @@ from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..heartbeat import Heartbeat, Preempted
 from ..job import Job
+from . import senders
 from .leave import exit_now
 from .supervise import STACK_SIGNAL, Interrupted, error_file, forward_to_launcher, sigterm_raises
 
@@ -90,7 +91,8 @@ def run_guarded(fn: Callable[[], object], ctx: RunContext, *, record_stops: bool
         return exc.code
     except Interrupted as exc:
         if record_stops:
-            _write_error(ctx, exc, user_error=False, code=exc.code)
+            sent_by = senders.sender(exc.code - 128)
+            _write_error(ctx, exc, user_error=False, code=exc.code, sent_by=sent_by)
         return exc.code
     except KeyboardInterrupt:
         return 130
@@ -104,7 +106,11 @@ def run_guarded(fn: Callable[[], object], ctx: RunContext, *, record_stops: bool
         return 1
 
 
-def _write_error(ctx: RunContext, exc: BaseException, *, user_error: bool, code: int) -> None:
+def _write_error(
+    ctx: RunContext, exc: BaseException, *, user_error: bool, code: int, sent_by: int | None = None
+) -> None:
+    """`sent_by`: for a stop by a signal, the pid that sent it (launch/senders.py), and this process's
+    parent beside it: whether its launcher stopped it or something else did."""
     record = {
         "rank": ctx.rank,
         "time": time.time(),
@@ -114,6 +120,8 @@ def _write_error(ctx: RunContext, exc: BaseException, *, user_error: bool, code:
         "exit_code": code,
         "traceback": "".join(traceback.format_exception(exc)),
     }
+    if sent_by is not None:
+        record |= {"sent_by": sent_by, "parent": os.getppid()}
     # A run dir that cannot be written must not hide the original error.
     with contextlib.suppress(OSError):
         atomic_write_text(error_file(ctx.run_dir, ctx.rank), json.dumps(record, indent=2))
