@@ -495,7 +495,13 @@ def test_mfu_needs_a_known_peak_cpus_and_unknown_gpus_have_none(monkeypatch: pyt
     assert flops.peak_flops(None, torch.device("cpu"), Precision.fp32)[0] is None
     assert flops.peak_flops(2e11, torch.device("cpu"), Precision.fp32) == (2e11, "trainer.peak_flops")
     assert flops.matmul_kind(Precision.bf16) == flops.matmul_kind(Precision.fp16) == "bf16"
+    # a GPU: its name looked up for the precision its matmuls run in
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    peak, source = flops.peak_flops(None, torch.device("cuda", 0), Precision.bf16)
+    assert (peak, source) == (989.5e12, "NVIDIA H100 80GB HBM3, bf16 dense (NVIDIA datasheet)")
+    assert flops.peak_flops(None, torch.device("cuda", 0), Precision.fp32)[0] == 67e12
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert flops.matmul_kind(Precision.fp32) == "tf32"
+    assert flops.peak_flops(None, torch.device("cuda", 0), Precision.fp32)[0] == 494.5e12
     assert flops.model_flops_per_token(TinyLM(8, 4), 16) == 6.0 * (8 * 4 + 4 * 8 + 8)
     assert flops.model_flops_per_token(nn.Linear(2, 2), 16) is None
