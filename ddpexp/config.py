@@ -202,6 +202,10 @@ class TrainerConfig:
     # Run each job of a sweep (-m) this many times, same seed, into repeat=0..N-1 sub-directories: the
     # report shows their median and min-max, so a difference smaller than the spread reads as none.
     repeats: int = 1
+    # Peak FLOP/s of one device, for model FLOPs utilisation (perf/mfu, models that declare
+    # flops_per_token on data with tokens). null: A100, H100 and H200 GPUs from NVIDIA's datasheets
+    # (ddpexp/flops.py); not reported on CPUs, which have no table.
+    peak_flops: float | None = None
     # Intra-op CPU threads per process. null: OMP_NUM_THREADS if set, else the cores available to the
     # job divided by the processes on this host (2 ranks on 2 cores: 1 each), so ranks never
     # oversubscribe the cores and timings stay comparable. Recorded in metrics.json's facts.

@@ -65,6 +65,11 @@ class LoopSettings:
     devices: int = 1  # devices training in parallel (per-device throughput)
     stop_on_nonfinite: bool = True
     time_comm_every_steps: int = 1  # the comm meter times one optimizer step in this many
+    # Throughput in tokens (data with tokens: DataInfo.tokens_per_sample) and MFU (ddpexp/flops.py):
+    # set once the data and the model are known; None: not reported.
+    tokens_per_sample: int | None = None
+    flops_per_token: float | None = None
+    peak_flops: float | None = None  # of one device
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: Plan) -> LoopSettings:
@@ -276,12 +281,26 @@ class Engine:
         self._check_finite(loss_sum)
         values = {
             "train/epoch_loss": loss_sum / max(micro_count, 1.0),  # train/loss: the log windows
-            "perf/samples_per_s": throughput,
-            "perf/samples_per_s_per_device": throughput / self.settings.devices,
+            **self._throughput(throughput),
             "perf/epoch_time_s": elapsed,
             "perf/step_time_s": elapsed / max(steps, 1),
         }
         return values | self._side_metrics(wait=wait, elapsed=elapsed, steps=steps)
+
+    def _throughput(self, samples_per_s: float) -> dict[str, float]:
+        """Samples/s; for data with tokens, tokens/s too; and MFU where FLOPs and peak are known."""
+        s = self.settings
+        out = {
+            "perf/samples_per_s": samples_per_s,
+            "perf/samples_per_s_per_device": samples_per_s / s.devices,
+        }
+        if s.tokens_per_sample is None:
+            return out
+        tokens_per_s = samples_per_s * s.tokens_per_sample
+        out |= {"perf/tokens_per_s": tokens_per_s, "perf/tokens_per_s_per_device": tokens_per_s / s.devices}
+        if s.flops_per_token is not None and s.peak_flops:
+            out["perf/mfu"] = s.flops_per_token * tokens_per_s / (s.peak_flops * s.devices)
+        return out
 
     def _check_finite(self, loss: float) -> None:
         """Every rank sees the same all-reduced value, so every rank stops together."""
@@ -502,5 +521,5 @@ class Engine:
             sums = batch if sums is None else sums + batch
         module.train(was_training)
         if sums is None:  # a rank whose eval shard is empty still joins the reduction
-            sums = torch.zeros(len(self.task.metrics) + 2, dtype=torch.float64, device=self.device)
+            sums = torch.zeros(self.task.num_sums, dtype=torch.float64, device=self.device)
         return self.task.finish(distributed.all_reduce_sum(sums).tolist())

@@ -12,6 +12,7 @@ and two values written once, at the end, in summary/:
   summary/time_to_target_s   seconds from the job's start until eval/acc first reached TARGET
   perf/samples_per_s         the last epoch's samples/s (the report's: the mean over epochs after the
                              first)
+  perf/tokens_per_s, perf/mfu  data with tokens: the last epoch's tokens/s and MFU (a fraction)
   perf/comm_share            the last epoch's share of time in communication (strategies with any)
   mem/peak_mb                peak memory
 """
@@ -58,13 +59,15 @@ def settings(facts: dict[str, Any]) -> tuple[dict[str, str | bool | float], set[
     return {key: _value(value) for key, value in values.items()}, shown
 
 
-def metric_names(best_metric: str) -> list[str]:
+def metric_names(best_metric: str, *, tokens: bool = False) -> list[str]:
+    """The view's metrics; `tokens`: the data has tokens (tokens/s and MFU as well)."""
     name = best_metric.replace("/", "_")
     return [
         best_metric,
         f"summary/best_{name}",
         "summary/time_to_target_s",
         "perf/samples_per_s",
+        *(("perf/tokens_per_s", "perf/mfu") if tokens else ()),
         "perf/comm_share",
         "mem/peak_mb",
     ]
@@ -75,7 +78,8 @@ def start(facts: dict[str, Any], best_metric: str, started_at: float) -> list[Su
     experiment = api_pb2.Experiment(
         hparam_infos=[api_pb2.HParamInfo(name=key, differs=key in shown) for key in _ordered(values, shown)],
         metric_infos=[
-            api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag)) for tag in metric_names(best_metric)
+            api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag))
+            for tag in metric_names(best_metric, tokens=bool(facts.get("tokens_per_sample")))
         ],
     )
     session = plugin_data_pb2.SessionStartInfo(start_time_secs=started_at)

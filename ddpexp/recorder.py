@@ -10,7 +10,14 @@ metrics.json keys (TensorBoard shows them as board_scalars says: below), x axis 
   eval/loss, eval/<m>  exact loss and the task's metrics over the whole eval set (eval/acc; eval/top<k>;
                       regression: eval/mse, eval/mae); accuracies are fractions here, % in TensorBoard
   eval/samples        eval samples scored (always the eval set size: nothing counted twice)
+  eval/tokens, eval/ppl, eval/token_acc   task=lm: eval tokens scored (eval/loss is their mean),
+                      exp(eval/loss), next-token accuracy
   perf/samples_per_s  training samples per second over the epoch (all ranks together)
+  perf/tokens_per_s   data with tokens (DataInfo.tokens_per_sample): samples/s x tokens per sample;
+                      perf/tokens_per_s_per_device too
+  perf/mfu            model FLOPs utilisation, a fraction (ddpexp/flops.py): models that declare
+                      flops_per_token, on a device whose peak is known (a GPU of the table, or
+                      trainer.peak_flops)
   perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
   opt/lr              learning rate of the first parameter group
   perf/samples_per_s_per_device, perf/step_time_s, perf/data_wait_frac (host time waiting for batches)
@@ -73,6 +80,7 @@ BOARD_CONSTANT = (
     "mem/grads_mb",
     "mem/optim_state_mb",
     "eval/samples",
+    "eval/tokens",
 )
 TAGS = (  # the charts TensorBoard shows for every run
     "train/loss",
@@ -383,12 +391,16 @@ def _summary_line(epoch: int, epochs: int, v: dict[str, float]) -> str:
     if "eval/loss" in v:
         parts.append(f"eval_loss {v['eval/loss']:.4f}")
     for tag, value in v.items():  # the task's eval metrics: accuracies in %, errors as they are
-        if tag.startswith("eval/") and tag not in ("eval/loss", "eval/samples"):
+        if tag.startswith("eval/") and tag not in ("eval/loss", "eval/samples", "eval/tokens"):
             name = tag.replace("/", "_")
             pct = is_accuracy(tag)
             parts.append(f"{name} {100 * value:.2f}%" if pct else f"{name} {value:.4f}")
     if "perf/samples_per_s" in v:
         parts.append(f"{v['perf/samples_per_s']:,.0f} samples/s")
+    if "perf/tokens_per_s" in v:
+        parts.append(f"{v['perf/tokens_per_s']:,.0f} tokens/s")
+    if "perf/mfu" in v:
+        parts.append(f"MFU {100 * v['perf/mfu']:.2f}%")
     if "perf/epoch_time_s" in v:
         parts.append(f"{v['perf/epoch_time_s']:.1f}s")
     return "  ".join(parts)

@@ -209,9 +209,9 @@ def strategy_label(facts: dict[str, Any]) -> str:
 
 
 def is_accuracy(tag: str) -> bool:
-    """Accuracies (eval/acc, eval/top<k>): fractions in metrics.json, percent wherever a person reads
-    them (console, report, TensorBoard)."""
-    return tag == "eval/acc" or tag.startswith("eval/top")
+    """Accuracies (eval/acc, eval/top<k>, eval/token_acc): fractions in metrics.json, percent wherever
+    a person reads them (console, report, TensorBoard)."""
+    return tag in ("eval/acc", "eval/token_acc") or tag.startswith("eval/top")
 
 
 def setting_text(value: Any) -> str:

@@ -10,6 +10,9 @@ which metric is "best" (checkpoint.best_metric / best_mode default to it).
   binary          BCE on logits (the tutorials' IMDB way: one output per class against one-hot
                   targets, or one output against 0/1); eval/acc
   regression      MSE on float targets; eval/mse and eval/mae (best: eval/mse, min)
+  lm              next-token cross-entropy over every position of token windows (data/tokens.py);
+                  eval/loss is the mean over every eval token, eval/ppl = exp(eval/loss),
+                  eval/token_acc (argmax); eval/tokens beside eval/samples (best: eval/loss, min)
 
 `task.loss._target_=...` replaces a task's loss with your own module or function `(outputs, targets)
 -> mean loss`; evaluation then sums loss x batch size, which is exact for mean-reduced losses.
@@ -17,6 +20,7 @@ which metric is "best" (checkpoint.best_metric / best_mode default to it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -30,9 +34,18 @@ from .errors import UserError
 Loss = Callable[[Tensor, Tensor], Tensor]
 
 
+# What a dataset's targets are (DataInfo.targets), as the refusal names them, and the task for them.
+TARGETS = {
+    "class": ("class labels", "task=classification (or binary, nll)"),
+    "value": ("float values", "task=regression"),
+    "token": ("token sequences", "task=lm"),
+}
+
+
 class Task:
     name: ClassVar[str] = "task"
-    targets: ClassVar[str] = "class"  # what the dataset must give: "class" indices or float "value"s
+    # what the dataset must give (DataInfo.targets): "class" indices, float "value"s or "token" ids
+    targets: ClassVar[str] = "class"
     best_metric: ClassVar[str] = "eval/acc"
     best_mode: ClassVar[BestMode] = BestMode.max
     metrics: tuple[str, ...] = ()  # eval metrics besides eval/loss, in metric_sums' order
@@ -43,8 +56,9 @@ class Task:
     def check(self, targets: str) -> None:
         """Refuse a dataset whose targets this task cannot learn (pre-flight)."""
         if targets != self.targets:
-            kind = "class labels" if targets == "class" else "float values"
-            fix = "task=regression" if targets == "value" else "task=classification (or binary, nll)"
+            kind, fix = TARGETS.get(targets, (f"{targets!r} targets", "a task made for them"))
+            if self.targets == "token":
+                fix += ", or a token corpus (data=python_stdlib, text_files or synthetic_tokens)"
             raise UserError(
                 f"task={self.name} cannot learn this dataset's {kind}", setting="task", fix=f"use {fix}"
             )
@@ -68,6 +82,11 @@ class Task:
     def metric_sums(self, outputs: Tensor, targets: Tensor) -> list[Tensor]:
         """Each metric's per-sample values (summed in float64 by eval_sums)."""
         return []
+
+    @property
+    def num_sums(self) -> int:
+        """Length of eval_sums' vector (a rank with nothing to score all-reduces as many zeros)."""
+        return len(self.metrics) + 2
 
     def eval_sums(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """[loss sum, metric numerators..., samples] of one eval batch, as float64."""
@@ -172,6 +191,58 @@ class Regression(Task):
     def metric_sums(self, outputs: Tensor, targets: Tensor) -> list[Tensor]:
         err = (outputs - targets).reshape(outputs.shape[0], -1)
         return [err.pow(2).mean(dim=1), err.abs().mean(dim=1)]
+
+
+class LanguageModel(Task):
+    """Next-token prediction: outputs (B, L, V) logits, targets (B, L) token ids (the inputs shifted by
+    one). Every position counts, so the eval loss is a mean over tokens, not samples: the sums are
+    [loss, correct, tokens, samples], all-reduced, and eval/ppl is exp of the exact mean loss (not a
+    mean of per-rank perplexities). A custom `task.loss` is given the (B*L, V) logits and (B*L,)
+    targets, as for classification."""
+
+    name = "lm"
+    targets = "token"
+    best_metric = "eval/loss"
+    best_mode = BestMode.min
+    metrics = ("eval/ppl", "eval/token_acc")
+
+    def loss(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        flat = outputs.reshape(-1, outputs.shape[-1])
+        if self.custom_loss is not None:
+            return self.custom_loss(flat, targets.reshape(-1).long())
+        return F.cross_entropy(flat.float(), targets.reshape(-1).long())
+
+    @property
+    def num_sums(self) -> int:
+        return 4
+
+    def eval_sums(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        flat = outputs.float().reshape(-1, outputs.shape[-1])
+        ids = targets.reshape(-1).long()
+        tokens = ids.numel()
+        if self.custom_loss is not None:
+            loss_sum = self.custom_loss(flat, ids).double() * tokens
+        else:
+            # each token's loss summed in float64: the same total whichever batches and ranks hold them
+            loss_sum = F.cross_entropy(flat, ids, reduction="none").double().sum()
+        correct = (flat.argmax(dim=1) == ids).sum().double()
+        counts = torch.tensor([tokens, targets.shape[0]], dtype=torch.float64, device=outputs.device)
+        return torch.cat([torch.stack([loss_sum, correct]), counts])
+
+    def finish(self, sums: list[float]) -> dict[str, float]:
+        loss_sum, correct, tokens, samples = sums
+        loss = loss_sum / tokens
+        try:
+            ppl = math.exp(loss)
+        except OverflowError:  # a loss above ~709
+            ppl = math.inf
+        return {
+            "eval/loss": loss,
+            "eval/ppl": ppl,
+            "eval/token_acc": correct / tokens,
+            "eval/samples": samples,
+            "eval/tokens": tokens,
+        }
 
 
 def build(task_cfg: Any) -> Task:

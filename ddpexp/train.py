@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed, faults, models, optim, resume, strategies, tasks, weights
+from . import distributed, faults, flops, models, optim, resume, strategies, tasks, weights
 from .config import Mode
 from .context import RunContext
 from .data import DataSource, Splits, build_source, loaders
@@ -35,6 +36,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     splits = load_data(build_source(cfg.data), ctx)
     check_split_sizes(len(splits.train.dataset), len(splits.eval.dataset), job.plan, cfg)  # type: ignore[arg-type]
     model = build_model(job, splits)
+    peak = flops.peak_flops(trainer.peak_flops, ctx.device, settings.precision)
+    settings = with_throughput(settings, splits, model, peak[0])
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)
     if trainer.compile:
         wrapped.module = torch.compile(wrapped.module)  # type: ignore[assignment]
@@ -47,7 +50,15 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     resumed = resume.find_checkpoint(trainer.resume, ctx)
     best = Best(*tasks.best_of(cfg))
     facts = run_facts(
-        job, ctx, splits, model, strategy, loader=mode, lr=lr, resumed=resumed[0] if resumed else None
+        job,
+        ctx,
+        splits,
+        model,
+        strategy,
+        loader=mode,
+        lr=lr,
+        resumed=resumed[0] if resumed else None,
+        peak=peak,
     )
     recorder = open_recorder(
         ctx,
@@ -125,6 +136,19 @@ def build_model(job: Job, splits: Splits) -> torch.nn.Module:
     if job.cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def with_throughput(
+    settings: LoopSettings, splits: Splits, model: torch.nn.Module, peak: float | None
+) -> LoopSettings:
+    """The loop reports tokens/s for data with tokens, and MFU where the model declares its FLOPs."""
+    tokens = splits.info.tokens_per_sample
+    return dataclasses.replace(
+        settings,
+        tokens_per_sample=tokens,
+        flops_per_token=flops.model_flops_per_token(model, tokens),
+        peak_flops=peak,
+    )
 
 
 def make_loader(job: Job, ctx: RunContext, splits: Splits, mode: str, *, train: bool) -> loaders.Loader:

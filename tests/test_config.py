@@ -27,6 +27,7 @@ GROUPS = sorted(  # conf/interconnect holds ddpexp-predict's profiles, not a gro
 )
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(conf_dir()) / g).glob("*.yaml"))]
 TEXT_MODELS = {"gcnn", "embbag"}
+TOKEN_DATA = {"python_stdlib", "synthetic_tokens", "text_files"}  # task=lm's
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 
 
@@ -53,6 +54,13 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         overrides += ["model=toy", "task=regression"]
     if (group, option) == ("task", "regression"):
         overrides += ["model=toy", "data=synthetic_regression"]
+    if group == "data" and option in TOKEN_DATA:  # a model that reads token ids, and the task for them
+        overrides += ["model=gcnn", "task=lm"]
+    if (group, option) == ("task", "lm"):
+        overrides += ["model=gcnn", "data=synthetic_tokens"]
+    if (group, option) == ("data", "text_files"):
+        (tmp_path / "corpus.txt").write_text("A corpus of one's own.\n" * 100)
+        overrides.append(f"data.path={tmp_path / 'corpus.txt'}")
     data = (
         option
         if group == "data"

@@ -37,6 +37,10 @@ def build_source(data_cfg: Any) -> DataSource:
     from hydra.utils import get_method, instantiate
     from omegaconf import OmegaConf
 
+    # Resolved where it stands: a copy of the section alone would lose what its interpolations point
+    # at elsewhere (block_size: ${oc.select:model.block_size,128}).
+    if OmegaConf.is_config(data_cfg):
+        data_cfg = OmegaConf.create(OmegaConf.to_container(data_cfg, resolve=True))
     target = str(data_cfg["_target_"])
     declared = keyword_parameters(get_method(target)) or set()
     held = {k: data_cfg[k] for k in SETTINGS if k in data_cfg and k not in declared}

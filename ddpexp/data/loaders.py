@@ -246,9 +246,31 @@ def build(
         )
     else:
         loader = _torch_loader(split, batch_size, rank, world, seed, device, train, num_workers, pin_memory)
+    if split.batch_dtype is not None:
+        loader = Cast(loader, split.batch_dtype)
     if train and split.augment is not None:
         return Augmented(loader, split.augment)
     return loader
+
+
+class Cast:
+    """Batches converted to `dtype` on the device: data stored compactly (uint8 token ids, 1 byte a
+    token on every rank) reaches the model and the loss as the int64 they take."""
+
+    def __init__(self, loader: Loader, dtype: torch.dtype) -> None:
+        self.loader = loader
+        self.dtype = dtype
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.loader.set_epoch(epoch, start)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        dtype = self.dtype
+        for inputs, targets in self.loader:
+            yield inputs.to(dtype), targets.to(dtype)
 
 
 class Augmented:

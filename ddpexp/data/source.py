@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,17 @@ class DataInfo:
     input_shape: tuple[int, ...]  # (C, H, W) for images; (L,) token ids for text
     vocab_size: int | None = None  # text only: rows of the embedding table
     pad_index: int | None = None  # text only: the padding token's id
-    # What the targets are: "class" indices (num_classes = classes) or float "value"s for regression
-    # (num_classes = outputs per sample). The task must match (ddpexp/tasks.py).
+    # What the targets are: "class" indices (num_classes = classes), float "value"s for regression
+    # (num_classes = outputs per sample), or "token" ids, one per input position (language modelling:
+    # num_classes = vocab_size). The task must match (ddpexp/tasks.py).
     targets: str = "class"
     # Split sizes, where the source knows them without loading (pre-flight refuses a run that would
     # take no optimizer step); None: checked by each worker once the data is loaded.
     train_samples: int | None = None
     eval_samples: int | None = None
+    # Tokens each sample trains on (a token stream's block_size): the engine reports tokens/s and MFU
+    # from it. None: not a token stream (padded text classification included).
+    tokens_per_sample: int | None = None
 
     def model_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"num_classes": self.num_classes, "input_shape": list(self.input_shape)}
@@ -47,6 +51,9 @@ class Split:
     collate: Callable[[list[Any]], Any] | None = None
     # Batch-level training augmentation, applied on the device (e.g. CIFAR crop + flip).
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # What every batch's inputs and targets are converted to on the device, both splits: data stored
+    # compactly (uint8 tokens) widened to what the model and the loss take. None: as stored.
+    batch_dtype: torch.dtype | None = None
 
     @classmethod
     def from_tensors(cls, x: torch.Tensor, y: torch.Tensor) -> Split:
@@ -60,6 +67,9 @@ class Splits:
     info: DataInfo
     # Identifies derived state that must be identical on every rank (e.g. a vocabulary's hash).
     fingerprint: str | None = None
+    # What the run records about its data (metrics.json facts.data_facts): a corpus's size, where it
+    # came from, the Python version a corpus of its standard library was read from.
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

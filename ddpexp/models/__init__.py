@@ -37,7 +37,9 @@ def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
             raise UserError(
                 f"{target} reads images but this dataset gives token ids",
                 setting="model",
-                fix="use a text model (model=gcnn or model=embbag) with data=imdb",
+                fix="use a language model (model=gpt_tiny, or your own that takes vocab_size)"
+                if info.targets == "token"
+                else "use a text model (model=gcnn or model=embbag) with data=imdb",
             )
         elif "vocab_size" in accepted and "vocab_size" not in offered:
             raise UserError(

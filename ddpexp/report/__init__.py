@@ -45,6 +45,9 @@ Definitions (also in the README):
   samples/s            per run: mean of perf/samples_per_s over its epochs, the first left out when there
                        are several (it includes warm-up); per row: median (min-max) over its runs
   per device           median samples/s / devices (processes on CPU, GPUs on CUDA)
+  tokens/s, MFU        groups whose data has tokens (facts.tokens_per_sample): perf/tokens_per_s and
+                       perf/mfu as samples/s is (per run the mean over its epochs, the first left out when
+                       there are several); tokens/s as median (min-max), MFU the median, in %
   scaling eff.         (per device of the row) / (per device of the group's baseline), from medians
   final, best          the best metric's final / best value; a row of several runs: mean ± std (sample
                        standard deviation, in percentage points for accuracies)
@@ -77,6 +80,8 @@ Warnings (a marker [k] in the row's "warnings" column, the text under the table 
                        free (+0.5) was other work. At the end, the expected load is that other work +
                        the decayed rest + busy threads x (1 - exp(-job time / 60 s)); a reading further
                        than 0.5 x host_cpus from it means other work started or stopped during the run.
+  different data       a group's runs with different facts.data_fingerprint (another Python's standard
+                       library, an edited corpus, another vocabulary): their losses do not compare
   overlapped           two jobs on one machine (the same facts.machine, the kernel's boot id, which
                        containers share; else the same facts.host) whose [job_started_at, job_ended_at]
                        intervals (job_ended_at, else started_at + wall_s) intersect by more than 1 s:

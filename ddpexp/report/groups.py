@@ -43,7 +43,7 @@ def group_runs(runs: list[Run], *, baseline: str | None = None) -> list[Group]:
     series = weak_scaling(out)
     for group in out:
         weak = covered(group, series) if group.baseline is None and baseline is None else None
-        group_texts = [] if weak else _compare(group, baseline)
+        group_texts = ([] if weak else _compare(group, baseline)) + data_warnings(group)
         group.notes = _notes(group)
         if weak:  # a weak-scaling step: its comparison is the series', not a missing baseline
             group.weak = weak.title
@@ -152,6 +152,23 @@ def _notes(group: Group) -> list[str]:
                 "plus DataParallel's overhead"
             )
     return notes
+
+
+def data_warnings(group: Group) -> list[str]:
+    """Runs of one group that read different data (facts.data_fingerprint: another Python's standard
+    library, an edited corpus, another vocabulary): their losses cannot be compared."""
+    runs = [run for row in group.rows for run in row.runs]
+    prints = {str(run.facts["data_fingerprint"]) for run in runs if run.facts.get("data_fingerprint")}
+    if len(prints) < 2:
+        return []
+    pythons = sorted(
+        {str(f["python"]) for run in runs if (f := run.facts.get("data_facts") or {}).get("python")}
+    )
+    on = f" (Python {', '.join(pythons)})" if len(pythons) > 1 else ""
+    return [
+        f"{group.title}: the runs read different data{on}, {len(prints)} data fingerprints: their losses "
+        "and accuracies are not comparable"
+    ]
 
 
 def efficiency_warnings(row: Row) -> list[str]:

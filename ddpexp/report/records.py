@@ -23,6 +23,7 @@ def records(groups: list[Group], target: float) -> list[dict[str, Any]]:
 def _record(group: Group, row: Row, target: float) -> dict[str, Any]:
     f = row.facts
     tput = row.spread(Run.throughput)
+    tokens = row.spread(Run.token_throughput)
     reach = row.spread(lambda r: r.time_to(target))
     finals = row.per_run(lambda r: finite_number(r.final.get(row.metric)))
 
@@ -65,6 +66,10 @@ def _record(group: Group, row: Row, target: float) -> dict[str, Any]:
         "samples_per_s_min": tput[0] if tput else None,
         "samples_per_s_max": tput[1] if tput else None,
         "samples_per_s_per_device": row.per_device(),
+        "tokens_per_s_median": row.median(Run.token_throughput),
+        "tokens_per_s_min": tokens[0] if tokens else None,
+        "tokens_per_s_max": tokens[1] if tokens else None,
+        "mfu": row.median(Run.mfu),
         "scaling_efficiency": row.efficiency,
         "speedup_vs_baseline": row.speedup,
         "vs_baseline": row.versus,

@@ -38,7 +38,17 @@ class Run:
         return [float(h[tag]) for h in self.history if isinstance(h.get(tag), int | float)]
 
     def throughput(self) -> float | None:
-        per_epoch = self.values("perf/samples_per_s")
+        return self.steady_mean("perf/samples_per_s")
+
+    def token_throughput(self) -> float | None:
+        return self.steady_mean("perf/tokens_per_s")
+
+    def mfu(self) -> float | None:
+        return self.steady_mean("perf/mfu")
+
+    def steady_mean(self, tag: str) -> float | None:
+        """The mean over epochs, the first left out when there are several (it includes warm-up)."""
+        per_epoch = self.values(tag)
         if not per_epoch:
             return None
         kept = steady(per_epoch)

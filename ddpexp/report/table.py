@@ -42,12 +42,30 @@ COLUMNS = (
 )
 
 
+# Groups whose data has tokens (facts.tokens_per_sample) get these after "per device".
+TOKEN_COLUMNS = ("tokens/s", "MFU")
+
+
 def table(group: Group, target: float) -> tuple[list[str], list[list[str]]]:
-    """The header (COLUMNS, then the columns the group's strategies declare for scalars of their own)
-    and one list of cells per row of the group."""
+    """The header (COLUMNS, with TOKEN_COLUMNS for data with tokens, then the columns the group's
+    strategies declare for scalars of their own) and one list of cells per row of the group."""
     declared = strategy_columns(group.rows)
-    header = [*COLUMNS, *declared]
-    return header, [_cells(row, target) + _strategy_cells(row, declared) for row in group.rows]
+    at = COLUMNS.index("per device") + 1
+    tokens = any(row.facts.get("tokens_per_sample") for row in group.rows)
+
+    def spliced(cells: list[str], extra: list[str]) -> list[str]:
+        return [*cells[:at], *(extra if tokens else []), *cells[at:]]
+
+    header = spliced(list(COLUMNS), list(TOKEN_COLUMNS)) + list(declared)
+    rows = [
+        spliced(_cells(row, target), _token_cells(row)) + _strategy_cells(row, declared) for row in group.rows
+    ]
+    return header, rows
+
+
+def _token_cells(row: Row) -> list[str]:
+    """tokens/s as samples/s is shown (median, min-max); MFU the median, in %."""
+    return [_median_range(row, Run.token_throughput, "{:,.0f}"), _pct(row.median(Run.mfu))]
 
 
 def strategy_columns(rows: list[Row]) -> dict[str, dict[str, Any]]:
