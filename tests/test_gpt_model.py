@@ -73,6 +73,60 @@ def test_a_later_token_never_changes_an_earlier_prediction(form: str):
     assert not torch.allclose(after[:, 40:], before[:, 40:])
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_positions_reach_the_predictions(form: str):
+    """With one block and no position information, the last position would see the tokens before it as
+    a set: shuffling them would not change its logits. Learned and rotary positions both make it."""
+    model = built(*FORMS[form], "model.n_layer=1")
+    x = ids()
+    shuffled = torch.cat([x[:, :-1].flip(1), x[:, -1:]], dim=1)
+    assert not torch.allclose(model(shuffled)[:, -1], model(x)[:, -1], atol=1e-4)
+
+
+def llama_reference(model: GPT, x: torch.Tensor) -> torch.Tensor:
+    """Llama's forward written out from the model's tensors: RMSNorm, rotary embeddings in the complex
+    form of Llama's reference code, each key/value head repeated for its group of query heads,
+    masked attention by hand, SwiGLU."""
+    cfg, state = model.config, model.state_dict()
+    batch, length = x.shape
+    hd, group_size = cfg.head_dim, cfg.n_head // cfg.n_kv_head
+    freqs = cfg.rope_theta ** (-torch.arange(0, hd, 2).float() / hd)
+    turn = torch.polar(torch.ones(length, hd // 2), torch.outer(torch.arange(length).float(), freqs))
+    future = ~torch.ones(length, length, dtype=torch.bool).tril()
+
+    def rms(h: torch.Tensor, name: str) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * state[name + ".weight"]
+
+    def heads(h: torch.Tensor, rotary: bool) -> torch.Tensor:
+        h = h.view(batch, length, -1, hd)
+        if rotary:
+            h = torch.view_as_real(torch.view_as_complex(h.unflatten(-1, (-1, 2))) * turn[:, None]).flatten(
+                -2
+            )
+        return h.transpose(1, 2)
+
+    h = state["tok_embeddings.weight"][x]
+    for i in range(cfg.n_layer):
+        p = f"blocks.{i}."
+        a = rms(h, p + "attention_norm")
+        q = heads(a @ state[p + "attention.wq.weight"].T, rotary=True)
+        k = heads(a @ state[p + "attention.wk.weight"].T, rotary=True).repeat_interleave(group_size, 1)
+        v = heads(a @ state[p + "attention.wv.weight"].T, rotary=False).repeat_interleave(group_size, 1)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(future, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
+        h = h + out @ state[p + "attention.wo.weight"].T
+        f = rms(h, p + "ffn_norm")
+        gate, up = f @ state[p + "feed_forward.w1.weight"].T, f @ state[p + "feed_forward.w3.weight"].T
+        h = h + (F.silu(gate) * up) @ state[p + "feed_forward.w2.weight"].T
+    return rms(h, "norm") @ state["output.weight"].T
+
+
+def test_the_llama_form_computes_llamas_forward():
+    model = built(*FORMS["llama"], "model.rope_theta=500000", "model.tie_embeddings=true")
+    x = ids()
+    torch.testing.assert_close(model(x), llama_reference(model, x), rtol=1e-5, atol=1e-5)
+
+
 def test_the_two_forms_have_their_own_layers():
     gpt2, llama = built(*FORMS["gpt2"]), built(*FORMS["llama"])
     assert isinstance(gpt2.norm, torch.nn.LayerNorm) and isinstance(llama.norm, torch.nn.RMSNorm)
@@ -152,7 +206,7 @@ def test_stages_composed_in_order_are_the_forward(overrides: list[str]):
     model = built("model.n_layer=3", *overrides)
     stages = model.stages()
     assert len(stages) == 5 and stages[1:4] == list(model.blocks)
-    x = ids()
+    x = ids(batch=2, length=16)
     for k in range(1, len(stages) + 1):
         chain = StageChain(group(list(model.stages()), k), [torch.device("cpu")] * k)
         torch.testing.assert_close(chain(x), model(x), rtol=0, atol=0)
@@ -428,3 +482,14 @@ def test_a_gpt2_file_for_a_longer_context_is_refused_naming_model_block_size(tmp
         "model.block_size: the weights are for a context of 1024, the model has 64 "
         "(fix: set model.block_size=1024"
     )
+
+
+def test_initialisation_is_gpt2s():
+    """N(0, 0.02) weights, zero biases, unit norms; the residual projections at 0.02 / sqrt(2 n_layer)."""
+    model = built("model.dim=256", "model.n_layer=4")
+    block = model.blocks[0]
+    for weight in (model.tok_embeddings.weight, block.attention.wq.weight, block.feed_forward.w1.weight):
+        assert weight.std().item() == pytest.approx(0.02, rel=0.05)
+    for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
+        assert weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    assert block.attention.wq.bias.eq(0).all() and block.attention_norm.weight.eq(1).all()
