@@ -13,7 +13,9 @@ plain state_dict it gives to the model, by name and shape:
 
 Both work on a model built on the "meta" device, so pre-flight checks a file against the model before
 anything is launched. A model may declare `state_dict_aliases = {"their.prefix.": "our.prefix."}` for
-key names other code (or an earlier ddpexp) gave its tensors; see models/resnet.py.
+key names other code (or an earlier ddpexp) gave its tensors (models/resnet.py), or, for a file laid
+out otherwise, `adapt_state_dict(weights, *, strict) -> weights` under its own names, which may raise a
+UserError naming the setting that would make a file fit (models/gpt.py: GPT-2's files).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def fit(
 ) -> Fit:
     """`weights` under the model's names, checked against its tensors' names and shapes."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    adapt = getattr(model, "adapt_state_dict", None)
+    if callable(adapt):
+        weights = adapt(weights, strict=strict)
     found = _renamed(dict(weights), expected, getattr(model, "state_dict_aliases", {}))
     fits = {k: v for k, v in found.items() if k in expected and tuple(v.shape) == expected[k]}
     left = [k for k in expected if k not in fits]

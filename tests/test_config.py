@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose
 
 from ddpexp import models, optim, tasks
@@ -28,6 +29,9 @@ GROUPS = sorted(  # conf/interconnect holds ddpexp-predict's profiles, not a gro
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(conf_dir()) / g).glob("*.yaml"))]
 TEXT_MODELS = {"gcnn", "embbag"}
 TOKEN_DATA = {"python_stdlib", "synthetic_tokens", "text_files"}  # task=lm's
+# The published shapes are built on the meta device, as pre-flight and ddpexp-predict build them.
+GPT_MODELS = {"gpt", "gpt_tiny", "gpt_small"}
+PUBLISHED_SHAPES = {"gpt2_124m", "llama3_2_1b", "llama3_1_8b"}
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 
 
@@ -48,6 +52,10 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
     overrides = [f"{group}={option}"]
     if group == "model" and option in TEXT_MODELS:
         overrides.append("data=imdb")
+    if group == "model" and option in GPT_MODELS | PUBLISHED_SHAPES:
+        overrides += ["data=synthetic_tokens", "task=lm"]
+    if group == "model" and option in PUBLISHED_SHAPES:  # windows shorter than their context
+        overrides.append("data.block_size=64")
     if group == "data" and option == "imdb":
         overrides.append("model=gcnn")
     if (group, option) == ("data", "synthetic_regression"):
@@ -55,9 +63,9 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
     if (group, option) == ("task", "regression"):
         overrides += ["model=toy", "data=synthetic_regression"]
     if group == "data" and option in TOKEN_DATA:  # a model that reads token ids, and the task for them
-        overrides += ["model=gcnn", "task=lm"]
+        overrides += ["model=gpt_tiny", "task=lm"]
     if (group, option) == ("task", "lm"):
-        overrides += ["model=gcnn", "data=synthetic_tokens"]
+        overrides += ["model=gpt_tiny", "data=synthetic_tokens"]
     if (group, option) == ("data", "text_files"):
         (tmp_path / "corpus.txt").write_text("A corpus of one's own.\n" * 100)
         overrides.append(f"data.path={tmp_path / 'corpus.txt'}")
@@ -73,7 +81,8 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
     source = instantiate(cfg.data)
     assert isinstance(source, DataSource)
     source.check()
-    model = models.build(cfg.model, source.info())
+    with torch.device("meta" if option in PUBLISHED_SHAPES else "cpu"):
+        model = models.build(cfg.model, source.info())
     assert sum(p.numel() for p in model.parameters()) > 0
     tasks.build(cfg.task).check(source.info().targets)
     optimizer = optim.build(model.parameters(), cfg.optim)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -25,7 +26,8 @@ from ..errors import UserError
 
 def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
     """The dataset-derived arguments the model's build function takes; a conflicting value forced by
-    the user, or a text model on images (and vice versa), is an error."""
+    the user, or a text model on images (and vice versa), is an error. A vocab_size larger than the
+    dataset's is not a conflict: the embedding has rows the data never looks up."""
     offered = info.model_kwargs()
     found = _parameters(model_cfg)
     target = model_cfg.get("_target_", "?")
@@ -54,11 +56,15 @@ def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
         if forced is None:
             continue
         forced = OmegaConf.to_container(forced) if OmegaConf.is_config(forced) else forced
-        if forced != value:
+        if key == "vocab_size" and isinstance(forced, int) and forced > value:
+            wired[key] = forced  # rows no token id reaches (GPT-2's vocabulary on a byte corpus)
+        elif forced != value:
             raise UserError(
                 f"is {forced} but the dataset provides {value}",
                 setting=f"model.{key}",
-                fix=f"remove the model.{key} override: it is wired from the dataset",
+                fix=f"set model.vocab_size>={value}, or null: the dataset's"
+                if key == "vocab_size"
+                else f"remove the model.{key} override: it is wired from the dataset",
             )
     return wired
 
@@ -88,4 +94,9 @@ def _parameters(model_cfg: DictConfig) -> tuple[set[str], bool] | None:
 def build(model_cfg: DictConfig, info: DataInfo) -> nn.Module:
     """The model, randomly initialised (model.weights are loaded by the caller: weights.load_initial)."""
     arguments = OmegaConf.masked_copy(model_cfg, [str(k) for k in model_cfg if k not in SETTINGS])
-    return instantiate(arguments, **wired_kwargs(model_cfg, info), _convert_="all")
+    try:
+        return instantiate(arguments, **wired_kwargs(model_cfg, info), _convert_="all")
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, UserError):  # the build function's own refusal, as it said it
+            raise exc.__cause__ from None
+        raise

@@ -56,6 +56,7 @@ class DdpMp(Strategy[DdpMpConfig]):
                 setting="strategy.stages",
                 fix=f"use strategy.stages<={n}",
             )
+        refuse_ties_across(model, group(model_stages(model), self.settings.stages))
 
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type)
@@ -103,6 +104,25 @@ def model_stages(model: nn.Module) -> list[nn.Module]:
             fix="use a model that defines stages() (convnet, mlp), or strategy=ddp",
         )
     return list(stages())
+
+
+def refuse_ties_across(model: nn.Module, parts: list[nn.Module]) -> None:
+    """A tensor that two parts hold (tied weights) cannot live on two devices or processes at once."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for index, part in enumerate(parts):
+        for t in part.state_dict(keep_vars=True).values():
+            if owner.setdefault(id(t), index) != index:
+                shared.add(id(t))
+    names = [name for name, t in model.state_dict(keep_vars=True).items() if id(t) in shared]
+    if names:
+        raise UserError(
+            f"{', '.join(names[:3])} would be in two stages at once (tied weights): each stage holds "
+            "its own weights, on its own device or process",
+            setting="strategy.stages",
+            fix="untie them in the model (e.g. model.tie_embeddings=false), use fewer strategy.stages "
+            "(tied layers in one stage), or strategy=ddp",
+        )
 
 
 class StageChain(nn.Module):

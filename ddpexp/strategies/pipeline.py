@@ -47,7 +47,7 @@ from ..errors import UserError, require_positive
 from ..optim import OptimizerSpec
 from . import ReportColumn, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload
-from .ddp_mp import boundary_bytes, group, model_stages
+from .ddp_mp import boundary_bytes, group, model_stages, refuse_ties_across
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -135,14 +135,7 @@ class Pipeline(Strategy[PipelineConfig]):
                 setting="strategy",
                 fix="make stages() cover every layer of the model, or use strategy=ddp",
             )
-        shared = _shared_between_parts(model, group(stages, self.settings.stages))
-        if shared:
-            raise UserError(
-                f"{', '.join(shared[:3])} would be in two stages at once (tied weights): each process "
-                "holds its stage's weights only",
-                setting="strategy.stages",
-                fix="use fewer strategy.stages (tied layers in one stage), or strategy=ddp",
-            )
+        refuse_ties_across(model, group(stages, self.settings.stages))
 
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         runner = StageRunner(model, self.settings, ctx=ctx)
@@ -546,17 +539,6 @@ def _outside_stages(model: nn.Module, stages: list[nn.Module]) -> list[str]:
     """The model's tensors that no stage holds."""
     inside = {id(t) for s in stages for t in s.state_dict(keep_vars=True).values()}
     return [name for name, t in model.state_dict(keep_vars=True).items() if id(t) not in inside]
-
-
-def _shared_between_parts(model: nn.Module, parts: list[nn.Module]) -> list[str]:
-    """The model's tensors that more than one part holds."""
-    owner: dict[int, int] = {}
-    shared: set[int] = set()
-    for index, part in enumerate(parts):
-        for t in part.state_dict(keep_vars=True).values():
-            if owner.setdefault(id(t), index) != index:
-                shared.add(id(t))
-    return [name for name, t in model.state_dict(keep_vars=True).items() if id(t) in shared]
 
 
 def _gather_to_rank0(obj: Any) -> list[Any]:
