@@ -23,7 +23,6 @@ from ddpexp.preflight import check_model
 from ddpexp.strategies.ddp_mp import StageChain, group
 from ddpexp.strategies.fsdp import shard_units
 
-from .fake_data import write_aclimdb
 from .test_cli import refuse
 
 pytestmark = pytest.mark.usefixtures("hydra_conf")
@@ -324,18 +323,31 @@ def test_bad_settings_are_refused_by_preflight_in_one_line_with_the_fix(override
     ("overrides", "words"),
     [
         (["model.n_head=5"], ["model.n_head: 5 heads do not divide dim 64", "4 or 8"]),
-        (["data.max_len=128"], ["model.block_size", "128 tokens", "context of 64"]),
+        (["data.block_size=128"], ["model.block_size", "128 tokens", "context of 64"]),
         (["strategy=pipeline", "model.tie_embeddings=true"], ["tied weights", "model.tie_embeddings=false"]),
+        (["strategy=pipeline", "strategy.stages=5"], ["strategy.stages: GPT splits into at most 4 stages"]),
+        (
+            ["model.block_size=null", "data.block_size=4000", "data.max_bytes=30000", "trainer.batch_size=2"],
+            ["data.block_size: the eval split of python_stdlib holds", "fewer than one sample"],
+        ),
     ],
 )
 def test_the_command_line_refuses_a_bad_transformer_before_anything_starts(
-    overrides: list[str], words: list[str], tmp_path: Path, tmp_path_factory, monkeypatch, capsys
+    overrides: list[str], words: list[str], tmp_path: Path, monkeypatch, capsys
 ):
-    """Through `python -m ddpexp` on token ids (imdb's reviews, until a token corpus ships)."""
-    root = write_aclimdb(tmp_path_factory.mktemp("data"))
-    args = ["model=gpt_tiny", "data=imdb", f"data.root={root}", "data.max_len=64", *overrides]
+    """Through `python -m ddpexp` on the corpus every machine has (the standard library's source)."""
+    args = ["model=gpt_tiny", "data=python_stdlib", "task=lm", *overrides]
     line = refuse(tmp_path, monkeypatch, capsys, *args)
     assert all(word in line for word in words), line
+
+
+def test_the_command_line_refuses_weights_for_another_vocabulary_before_anything_starts(
+    tmp_path: Path, tmp_path_factory, monkeypatch, capsys
+):
+    path = save_as(gpt2_state(vocab=300), "huggingface", tmp_path_factory.mktemp("weights") / "gpt2.pt")
+    args = ["model=gpt_tiny", "model.tie_embeddings=true", f"model.weights={path}"]
+    line = refuse(tmp_path, monkeypatch, capsys, *args, "data=python_stdlib", "task=lm")
+    assert line.startswith("ddpexp: error: model.vocab_size: the weights are for a vocabulary of 300"), line
 
 
 # ------------------------------------------------------------------------------------ GPT-2 weights
@@ -493,3 +505,10 @@ def test_initialisation_is_gpt2s():
     for weight in (block.attention.wo.weight, block.feed_forward.w2.weight):
         assert weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
     assert block.attention.wq.bias.eq(0).all() and block.attention_norm.weight.eq(1).all()
+
+
+def test_a_transformer_on_images_is_refused_naming_the_token_corpus(tmp_path: Path, monkeypatch, capsys):
+    """`python -m ddpexp model=gpt_tiny` alone meets the default data (digits, images)."""
+    line = refuse(tmp_path, monkeypatch, capsys, "model=gpt_tiny")
+    assert "reads token ids but this dataset gives images" in line, line
+    assert "data=python_stdlib task=lm" in line, line

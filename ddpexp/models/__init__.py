@@ -47,7 +47,8 @@ def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
             raise UserError(
                 f"{target} reads token ids but this dataset gives images",
                 setting="model",
-                fix="use data=imdb with this model, or an image model (convnet, resnet18...)",
+                fix="give it token ids (data=python_stdlib task=lm for a language model such as gpt_tiny, "
+                "data=imdb for a text classifier), or use an image model (convnet, resnet18...)",
             )
         offered = {k: v for k, v in offered.items() if k in accepted}
     wired = offered
