@@ -12,7 +12,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed, faults, models, optim, resume, strategies, tasks, weights
+from . import (
+    activation_checkpointing,
+    distributed,
+    faults,
+    memory,
+    models,
+    optim,
+    resume,
+    strategies,
+    tasks,
+    weights,
+)
 from .config import Mode
 from .context import RunContext
 from .data import DataSource, Splits, build_source, loaders
@@ -35,6 +46,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     splits = load_data(build_source(cfg.data), ctx)
     check_split_sizes(len(splits.train.dataset), len(splits.eval.dataset), job.plan, cfg)  # type: ignore[arg-type]
     model = build_model(job, splits)
+    activations = memory.ActivationMeter()  # the engine measures with it; recomputations report to it
+    activation_checkpointing.apply(model, trainer.activation_checkpointing, meter=activations)
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)
     if trainer.compile:
         wrapped.module = torch.compile(wrapped.module)  # type: ignore[assignment]
@@ -71,6 +84,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
             scheduler=optim.build_schedule(optimizer, cfg.optim, steps),
             started_at=ctx.job_started_at,
             heartbeat=ctx.heartbeat,
+            activations=activations,
         )
         fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt, job_pid=ctx.job_pid)
         engine.on_step = fault.after_step if fault else None
