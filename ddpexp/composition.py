@@ -24,6 +24,12 @@ from .errors import UserError
 
 CONFIG_NAME = "config"
 Compose = Callable[[list[str]], DictConfig]
+# Sections other tools name settings in, by their first key: where ddpexp keeps that setting. Not
+# aliases (one setting, one name, in every sweep and report): the error points to ddpexp's key.
+ELSEWHERE = {
+    "ac": "trainer.activation_checkpointing=none|full|selective",  # torchtitan's --ac.mode
+    "activation_checkpoint": "trainer.activation_checkpointing=none|full|selective",  # torchtitan
+}
 
 
 def conf_dir() -> str:
@@ -149,6 +155,8 @@ def _refuse_unknown_additions(parsed: list[Any]) -> None:
                 where = ".".join(path) or "the top level"
                 close = difflib.get_close_matches(part, list(known), n=1, cutoff=0.6)
                 hint = f"did you mean {'.'.join([*path, close[0]])}?" if close else "python -m ddpexp --help"
+                if not path and part in ELSEWHERE:
+                    hint = f"use {ELSEWHERE[part]}"
                 raise UserError(
                     f"{o.input_line}: {part!r} is not a setting of {where} ({schema.__name__}); "
                     "+ cannot add one there",
@@ -324,14 +332,18 @@ def _fix(exc: BaseException) -> str | None:
     import dataclasses
     import difflib
 
-    from omegaconf.errors import ConfigAttributeError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     from . import strategies
 
     cause = exc.__cause__
-    if not isinstance(cause, ConfigAttributeError) or cause.key is None:
+    if not isinstance(cause, ConfigAttributeError | ConfigKeyError) or cause.key is None:
         return None
     key, full_key = str(cause.key), str(cause.full_key)
+    if full_key.split(".")[0] in ELSEWHERE:  # a top-level key: Hydra's ConfigKeyError
+        return f"use {ELSEWHERE[full_key.split('.')[0]]}"
+    if not isinstance(cause, ConfigAttributeError):
+        return None
     if full_key.startswith("strategy."):
         return strategies.setting_hint(key)
     schema = cause.object_type

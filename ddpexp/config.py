@@ -74,6 +74,12 @@ class Schedule(StrEnum):
     cosine = "cosine"
 
 
+class ActivationCheckpointing(StrEnum):
+    none = "none"  # keep every activation the backward needs
+    full = "full"  # keep only each block's input; recompute the block during the backward
+    selective = "selective"  # keep the outputs of matmuls, convolutions and attention; recompute the rest
+
+
 class OnNonFinite(StrEnum):
     stop = "stop"  # fail the run with the step where the loss stopped being finite
     warn = "warn"  # log a warning and go on
@@ -193,6 +199,11 @@ class TrainerConfig:
     # torch.compile the training model; channels_last memory format for 4-D inputs (conv nets, GPU).
     compile: bool = False
     channels_last: bool = False
+    # Activation checkpointing of the model's declared blocks (shard_units(), else stages()): trade
+    # compute for memory by recomputing activations in the backward. full: recompute each block whole;
+    # selective: keep matmul/convolution/attention outputs, recompute the cheap ops between them.
+    # Same parameters as none; mem/activations_mb shows what it saves (docs/training.md).
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     # Measure the communication (DDP comm hook / around the collectives) and log comm/* scalars: bytes
     # on every step; time on one optimizer step in time_comm_every_steps (the first of each epoch among
     # them), from which each epoch's comm time is estimated. On DDP the meter is a Python comm hook

@@ -125,6 +125,7 @@ class Engine:
         on_step: Callable[[int], None] | None = None,
         started_at: float | None = None,
         heartbeat: Heartbeat | None = None,
+        activations: memory.ActivationMeter | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -162,6 +163,9 @@ class Engine:
         self._first_step_done = False
         self._nonfinite_seen = False
         self._resident: dict[str, float] | None = None  # memory.resident_mb, max over ranks
+        # Measures the first micro-batch's forward and backward of each run (or resumed run); the one
+        # ddpexp.activation_checkpointing reports recomputations to.
+        self.activations = activations or memory.ActivationMeter()
         dtype = AUTOCAST[settings.precision]
         self._autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
             (lambda: torch.autocast(device_type=device.type, dtype=dtype))
@@ -230,6 +234,7 @@ class Engine:
         beat, stop_signal = self.heartbeat.beat, self.heartbeat.stop_signal
         micro = steps = 0
         wait = 0.0
+        unmeasured = self.activations.peak_bytes is None
         start = time.perf_counter()
         it = iter(batches)
         while True:
@@ -243,7 +248,12 @@ class Engine:
                 comm.begin_step(time_comm_every)
             micro += 1
             last_micro = micro % acc == 0
-            loss = self.forward_backward(inputs, targets, sync=last_micro)
+            if unmeasured:
+                unmeasured = False
+                with self.activations.measure(self.model.base):
+                    loss = self.forward_backward(inputs, targets, sync=last_micro)
+            else:
+                loss = self.forward_backward(inputs, targets, sync=last_micro)
             beat(self.pos.step)
             if loss is not None:  # None: this rank computes no loss (a pipeline's first stage)
                 pending.append(loss)
@@ -478,6 +488,8 @@ class Engine:
         """Bytes per rank by category (ddpexp/memory.py): the max over ranks goes to the epoch's
         scalars, every rank's to metrics.json (`memory_per_rank`)."""
         mine = memory.resident_mb(self.model.base, self.optimizer)
+        if self.activations.peak_bytes is not None:
+            mine["mem/activations_mb"] = self.activations.peak_bytes / memory.MB
         ranks = distributed.gather_objects(mine)
         self._resident = {k: max(float(r[k]) for r in ranks) for k in mine}  # type: ignore[index]
         self.recorder.update(memory_per_rank=ranks)

@@ -58,6 +58,7 @@ def run_facts(
         "lr_scale_rule": cfg.optim.scale_rule.value,
         "lr_schedule": cfg.optim.schedule.value,
         "precision": cfg.trainer.precision.name,
+        "activation_checkpointing": cfg.trainer.activation_checkpointing.value,
         "accumulate": cfg.trainer.accumulate,
         "mode": cfg.trainer.mode.value,
         "task": job.choices.get("task", cfg.task.get("_target_")),

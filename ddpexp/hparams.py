@@ -38,6 +38,7 @@ CONTEXT = (  # recorded for every run, shown when ticked by hand
     "model",
     "data",
     "precision",
+    "activation_checkpointing",
     "accumulate",
     "seed",
 )

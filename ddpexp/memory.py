@@ -1,32 +1,43 @@
-"""Bytes that live on this rank, by category, counted from the tensors themselves (the local shard of
-a sharded tensor), so they mean the same on CPU and GPU and show what sharding saves:
+"""Bytes on this rank, by category, counted from the tensors themselves (the local shard of a sharded
+tensor), so they mean the same on CPU and GPU and show what sharding and checkpointing save:
 
   params      the model's parameters as this rank holds them between steps (FSDP: its shard)
   grads       their gradients after the backward of a step (FSDP: the reduce-scattered shard)
   optim_state the optimizer's state tensors on this rank (ZeRO: its shard; SGD: momentum buffers)
+  activations the peak, within one micro-batch's forward and backward, of the tensors held for the
+              backward (ActivationMeter): what activation checkpointing cuts
 
-Measured once, after the first optimizer step and before the gradients are released. Memory that
-exists only inside a step (gathered FSDP parameters, activations, communication buffers) is not in
-these numbers; mem/peak_mb (CUDA max allocated, or RSS on CPU) covers it.
+Measured once per run: activations on the first micro-batch, the rest after the first optimizer step,
+before the gradients are released. Memory that exists only for a moment inside a step (gathered FSDP
+parameters, temporaries, communication buffers) is not in these numbers; mem/peak_mb (CUDA max
+allocated, or RSS on CPU) covers it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 MB = 2**20
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local shard, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def local_bytes(t: Any) -> int:
     """Bytes of this rank's part of `t` (a DTensor's local shard, or the tensor itself)."""
     if t is None:
         return 0
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        t = to_local()
+    t = _local(t)
     return int(t.numel() * t.element_size())
 
 
@@ -46,3 +57,141 @@ def resident_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
         "mem/grads_mb": sum(local_bytes(p.grad) for p in params) / MB,
         "mem/optim_state_mb": sum(local_bytes(t) for t in _state_tensors(optimizer)) / MB,
     }
+
+
+class ActivationMeter:
+    """The peak bytes of activations held for the backward pass in one forward and backward (one
+    micro-batch; a pipeline stage: one schedule step), `peak_bytes` after `measure()`.
+
+    Counted from the tensors autograd saves (torch.autograd.graph.saved_tensors_hooks sees each as it
+    is saved and is told when autograd lets it go), each storage once however many tensors view it,
+    the model's own tensors left out (parameters are mem/params_mb; buffers such as BatchNorm's
+    running statistics are saved by reference and live between steps). That includes what activation
+    checkpointing keeps: the input it holds for each block and the outputs selective checkpointing
+    caches. What it recomputes in the backward is held by torch.utils.checkpoint itself, unseen by
+    the hooks, so while a block recomputes (`recomputing()`, which ddpexp.activation_checkpointing
+    enters) the storages its ops make are watched, and those still alive at its end (held for the
+    block's backward) count until they are freed. Measuring changes no value: the hooks hand back the
+    very tensors they were given.
+    """
+
+    def __init__(self) -> None:
+        self.peak_bytes: int | None = None
+        self.measuring = False
+        self._held: dict[tuple[str, int], list[int]] = {}  # storage -> [bytes, holders]
+        self._own: set[tuple[str, int]] = set()  # the storages of the model's own tensors
+        self._live = 0
+        self._peak = 0
+        self._round = 0  # of measure(): what an earlier one counted is never released from a later
+
+    @property
+    def held_bytes(self) -> int:
+        """What is counted as held right now (0 once a measured step's backward is done)."""
+        return self._live
+
+    @contextmanager
+    def measure(self, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Measure what is inside (a forward and its backward); `model`'s tensors are not counted."""
+        own = [*model.parameters(), *model.buffers()] if model is not None else []
+        self._own = {key for t in own if (key := _key(_local(t))) is not None}
+        self._held, self._live, self._peak, self.measuring = {}, 0, 0, True
+        self._round += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            self.measuring = False
+        self.peak_bytes = self._peak
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Around a checkpointed block's recomputation: its tensors that outlive it count as held."""
+        if not self.measuring:
+            yield
+            return
+        made = _StoragesMade()
+        with made:
+            yield
+        for key, storage in made.alive():
+            if key not in self._own:
+                self._hold(key, storage.nbytes())
+                weakref.finalize(storage, self._release, key, self._round)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return t
+        key = _key(t)
+        if key is None or key in self._own:
+            return t
+        self._hold(key, t.untyped_storage().nbytes())
+        return _Saved(t, self, key, self._round)
+
+    def _hold(self, key: tuple[str, int], nbytes: int) -> None:
+        entry = self._held.setdefault(key, [nbytes, 0])
+        if entry[1] == 0:
+            self._live += entry[0]
+            self._peak = max(self._peak, self._live)
+        entry[1] += 1
+
+    def _release(self, key: tuple[str, int], round_: int) -> None:
+        entry = self._held.get(key)
+        if entry is None or round_ != self._round:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._live -= entry[0]
+            del self._held[key]
+
+
+class _Saved:
+    """A saved tensor as autograd holds it while measuring: released from the count when autograd
+    drops it (after its backward, or with the graph)."""
+
+    __slots__ = ("key", "meter", "round", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: tuple[str, int], round_: int):
+        self.tensor, self.meter, self.key, self.round = tensor, meter, key, round_
+
+    def __del__(self) -> None:
+        self.meter._release(self.key, self.round)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+def _key(t: torch.Tensor) -> tuple[str, int] | None:
+    """The identity of `t`'s storage; None for a tensor with none of its own (meta, a subclass)."""
+    if t.is_meta:
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return str(storage.device), storage.data_ptr()
+
+
+class _StoragesMade(TorchDispatchMode):
+    """The storages the ops inside make for their results (not views or in-place results of their
+    inputs), by weak reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: dict[tuple[str, int], weakref.ref[torch.UntypedStorage]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            key = _key(t)
+            if key is not None and key not in given:
+                self._made.setdefault(key, weakref.ref(t.untyped_storage()))
+        return out
+
+    def alive(self) -> list[tuple[tuple[str, int], torch.UntypedStorage]]:
+        found = ((key, ref()) for key, ref in self._made.items())
+        return [(key, s) for key, s in found if s is not None and s.nbytes() > 0]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]

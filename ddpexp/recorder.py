@@ -24,6 +24,8 @@ metrics.json keys (TensorBoard shows them as board_scalars says: below), x axis 
   mem/peak_mb         peak memory: CUDA max allocated, or the process's max RSS on CPU (max over ranks)
   mem/params_mb, mem/grads_mb, mem/optim_state_mb   bytes resident per rank by category, counted from
                       the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
+  mem/activations_mb  the peak of the tensors held for the backward in one micro-batch, per rank
+                      (max over ranks; memory_per_rank too): what activation checkpointing cuts
   comm/time_per_step_s, comm/share, comm/bytes_per_step   communication (strategies with any);
                       TensorBoard: perf/comm_time_per_step_s, perf/comm_share
   comm/bytes_per_step/<kind>   gradients, parameters (all-gathers, pulls, ZeRO's broadcasts), sync_bn
@@ -79,6 +81,7 @@ BOARD_CONSTANT = (
     "mem/params_mb",
     "mem/grads_mb",
     "mem/optim_state_mb",
+    "mem/activations_mb",
     "eval/samples",
     "eval/tokens",
 )

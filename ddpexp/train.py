@@ -13,7 +13,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed, faults, flops, models, optim, resume, strategies, tasks, weights
+from . import (
+    activation_checkpointing,
+    distributed,
+    faults,
+    flops,
+    memory,
+    models,
+    optim,
+    resume,
+    strategies,
+    tasks,
+    weights,
+)
 from .config import Mode
 from .context import RunContext
 from .data import DataSource, Splits, build_source, loaders
@@ -38,6 +50,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     model = build_model(job, splits)
     peak = flops.peak_flops(trainer.peak_flops, ctx.device, settings.precision)
     settings = with_throughput(settings, splits, model, peak[0])
+    activations = memory.ActivationMeter()  # the engine measures with it; recomputations report to it
+    activation_checkpointing.apply(model, trainer.activation_checkpointing, meter=activations)
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)
     if trainer.compile:
         wrapped.module = torch.compile(wrapped.module)  # type: ignore[assignment]
@@ -82,6 +96,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
             scheduler=optim.build_schedule(optimizer, cfg.optim, steps),
             started_at=ctx.job_started_at,
             heartbeat=ctx.heartbeat,
+            activations=activations,
         )
         fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt, job_pid=ctx.job_pid)
         engine.on_step = fault.after_step if fault else None

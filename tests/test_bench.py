@@ -118,6 +118,16 @@ def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp-2-r0", "ddp-2-r1", "single-r0", "single-r1"]
 
 
+def test_activation_checkpointing_benchmark_prints_memory_and_time_against_none():
+    lines = script_output("ac_bench.py", "--smoke")
+    assert lines[1].split() == ["strategy", "mode", "act_MB", "step_s", "act/none", "step/none"]
+    rows = {row.split()[1]: row.split() for row in lines[2:]}
+    assert list(rows) == ["none", "full", "selective"]
+    assert float(rows["none"][4]) == 1.0  # against itself
+    assert float(rows["full"][4]) < 1.0 and float(rows["full"][2]) < float(rows["none"][2])
+    assert float(rows["full"][5]) > 0  # a time ratio, whatever it is on a busy machine
+
+
 def test_busy_host_smoke_prints_every_contender_idle_and_busy():
     lines = script_output("busy_host.py", "--smoke")
     assert lines[1].split() == ["contender", "idle", "busy", "busy/idle"]

@@ -400,6 +400,8 @@ def test_report_labels_strategy_variants_apart_and_shows_bytes_and_memory(tmp_pa
             "mem/grads_mb": 42.6 * share,
             "mem/optim_state_mb": 42.6 * share,
         }
+        if name.startswith("strategy=fsdp"):
+            final["mem/activations_mb"] = 3.5
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.json").write_text(
             json.dumps({"status": "completed", "facts": facts, "final": final, "best": final, "history": []})
@@ -420,8 +422,9 @@ def test_report_labels_strategy_variants_apart_and_shows_bytes_and_memory(tmp_pa
         "strategy=ddp": "ddp",
     }
     assert table["strategy=fsdp"]["comm bytes/step"] == "22,000,000"
-    assert table["strategy=fsdp"]["per rank MB: params/grads/optim"] == "21.30/21.30/21.30"
-    assert table["strategy=ddp"]["per rank MB: params/grads/optim"] == "42.60/42.60/42.60"
+    assert table["strategy=fsdp"]["per rank MB: params/grads/optim/act"] == "21.30/21.30/21.30/3.50"
+    # a run recorded before activations were measured
+    assert table["strategy=ddp"]["per rank MB: params/grads/optim/act"] == "42.60/42.60/42.60/-"
     assert table["strategy=ddp"]["final"] == "25.00%"
 
 

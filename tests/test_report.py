@@ -702,7 +702,7 @@ def test_tensorboard_opens_on_what_is_compared_in_percent_without_constant_chart
     recorder = Recorder(tmp_path, facts=facts, progress=False)
     recorder.start()
     constant = {"comm/bytes_per_step": 116_536.0, "comm/bytes_per_step/gradients": 116_136.0}
-    constant |= {"mem/params_mb": 0.11, "eval/samples": 360.0}
+    constant |= {"mem/params_mb": 0.11, "mem/activations_mb": 0.5, "eval/samples": 360.0}
     for epoch, acc in ((1, 0.9), (2, 0.97)):
         values = {"eval/acc": acc, "eval/loss": 0.3, "train/epoch_loss": 0.4, "perf/samples_per_s": 900.0}
         values |= {"comm/share": 0.25, "comm/time_per_step_s": 0.001, "mem/peak_mb": 300.0, **constant}
@@ -714,7 +714,8 @@ def test_tensorboard_opens_on_what_is_compared_in_percent_without_constant_chart
     assert tags[:2] == ["eval/acc", "eval/loss"], tags
     assert [e.value for e in acc.Scalars("eval/acc")] == pytest.approx([90.0, 97.0])
     assert {"perf/comm_share", "perf/comm_time_per_step_s", "mem/peak_mb"} <= set(tags)
-    assert not [t for t in tags if t.startswith(("comm/", "hparams/", "eval/samples", "mem/params"))], tags
+    constant_tags = ("comm/", "hparams/", "eval/samples", "mem/params", "mem/activations")
+    assert not [t for t in tags if t.startswith(constant_tags)], tags
     assert acc.Scalars("summary/best_eval_acc")[0].value == pytest.approx(97.0)
     assert "run/constants/text_summary" in acc.Tags()["tensors"]
     content = acc.PluginTagToContent("hparams")

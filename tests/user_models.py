@@ -71,3 +71,36 @@ def misbehaving(
     return Misbehaving(
         num_classes=num_classes, input_shape=input_shape, rank=rank, at_call=at_call, action=action
     )
+
+
+class Tower(nn.Module):
+    """`depth` equal blocks (linear, BatchNorm, GELU, linear, GELU) between a stem and a head, as a
+    transformer stacks its layers: shard_units() names the blocks (what activation checkpointing and
+    fsdp take), stages() the stem, the blocks and the head (what ddp_mp and pipeline split)."""
+
+    def __init__(self, *, num_classes: int, input_shape: list[int], width: int, depth: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), width))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU(), nn.Linear(width, width), nn.GELU()
+            )
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, num_classes)
+
+    def shard_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def stages(self) -> list[nn.Module]:
+        return [self.stem, *self.blocks, self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tower(*, num_classes: int, input_shape: list[int], width: int = 64, depth: int = 6) -> nn.Module:
+    return Tower(num_classes=num_classes, input_shape=input_shape, width=width, depth=depth)

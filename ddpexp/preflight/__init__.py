@@ -344,7 +344,7 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     strategy cannot handle in milliseconds, without allocating a single weight."""
     import torch
 
-    from .. import models, strategies
+    from .. import activation_checkpointing, models, strategies
 
     try:
         with torch.device("meta"):
@@ -355,6 +355,7 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
         target = OmegaConf.select(model_cfg, "_target_")
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
     strategies.resolve(cfg.strategy).check_model(model)
+    activation_checkpointing.check(model, cfg.trainer.activation_checkpointing)
     return model
 
 

@@ -13,6 +13,8 @@ from .rows import EFFICIENCY_LIMIT, Group, Row
 from .runs import Run
 from .weak import WeakSeries
 
+ACT = "mem/activations_mb"
+
 COLUMNS = (
     "run",
     "status",
@@ -38,7 +40,7 @@ COLUMNS = (
     "comm share",
     "comm bytes/step",
     "peak mem (MB)",
-    "per rank MB: params/grads/optim",
+    "per rank MB: params/grads/optim/act",
 )
 
 
@@ -129,7 +131,7 @@ def _cells(row: Row, target: float) -> list[str]:
         _pct(row.median(lambda r: r.mean("comm/share"))),
         format_cell(final("comm/bytes_per_step"), "{:,.0f}"),
         format_cell(row.median(lambda r: r.peak("mem/peak_mb")), "{:,.0f}"),
-        _resident([final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")]),
+        _resident([final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")], final(ACT)),
     ]
 
 
@@ -159,11 +161,12 @@ def _median_range(row: Row, value: Callable[[Run], float | None], fmt: str) -> s
     return shown if len(values) < 2 else f"{shown} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
-def _resident(values: list[float | None]) -> str:
-    """Bytes per rank by category (max over ranks), counted from the tensors (ddpexp/memory.py)."""
+def _resident(values: list[float | None], activations: float | None) -> str:
+    """Bytes per rank by category (max over ranks), counted from the tensors (ddpexp/memory.py); runs
+    recorded before activations were measured show "-" for them."""
     if any(v is None for v in values):
         return "-"
-    return "/".join(f"{v:.2f}" for v in values if v is not None)
+    return "/".join([*(f"{v:.2f}" for v in values if v is not None), format_cell(activations, "{:.2f}")])
 
 
 def _metric(tag: str, v: float | None) -> str:

@@ -1,0 +1,193 @@
+"""Activation checkpointing (trainer.activation_checkpointing): keep less of the forward pass for the
+backward and recompute the rest there, applied to the model's declared blocks before the strategy
+wraps the model.
+
+The blocks are the model's own declaration, the one fsdp shards by: `shard_units()` if it has it, else
+`stages()`; only blocks that are submodules of the model count (stages() may build containers for
+ddp_mp around modules the model calls one by one, whose forward never runs), and a block inside
+another declared block is left to the outer one. A model that declares none is refused in pre-flight.
+
+Each block's forward runs under torch.utils.checkpoint (non-reentrant). The block is not wrapped in
+another module: its class is swapped for a subclass whose forward checkpoints the original (as
+fully_shard swaps it for its own), so every parameter keeps its name, state_dict keys are the same
+with or without checkpointing, and any strategy applied afterwards (DDP, fully_shard, a pipeline's
+split, torch.compile) finds the same modules.
+
+- full: each block keeps only its input; the whole block runs again in its backward.
+- selective: PyTorch's selective activation checkpointing (create_selective_checkpoint_contexts) with
+  an operator policy: the outputs of matrix multiplications, convolutions and attention are kept, every
+  other op (norms, activations, pooling, elementwise) is recomputed from them. The kept ops are the
+  expensive ones to redo, the recomputed ones are cheap but each adds a tensor the size of the
+  activations, so it saves much of full's memory for a fraction of its extra compute; torchtitan's
+  `selective_ac_option=op` makes the same trade.
+
+BatchNorm's running statistics are updated once per forward, as without checkpointing: while a block
+recomputes, its BatchNorm layers normalise by the batch's statistics without counting the batch again
+(torch.utils.checkpoint alone would update them twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .config import ActivationCheckpointing
+from .errors import UserError
+from .memory import ActivationMeter
+
+log = logging.getLogger(__name__)
+_aten = torch.ops.aten
+# selective keeps these ops' outputs (the rest is recomputed); attention under each backend's name.
+KEPT_OPS = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+)
+
+
+def declared_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks (shard_units(), else stages()) that are submodules of it, outermost only."""
+    for name in ("shard_units", "stages"):
+        declared = getattr(model, name, None)
+        if callable(declared):
+            inside = {id(m) for m in model.modules() if m is not model}
+            blocks = [m for m in declared() if id(m) in inside]
+            nested = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
+            return [b for b in blocks if id(b) not in nested]
+    return []
+
+
+def check(model: nn.Module, mode: ActivationCheckpointing) -> None:
+    """Pre-flight (`model` on the meta device): checkpointing needs blocks to checkpoint."""
+    if mode != ActivationCheckpointing.none and not declared_blocks(model):
+        raise UserError(
+            f"{type(model).__name__} declares no blocks to checkpoint (no shard_units() or stages() "
+            "returning its submodules)",
+            setting="trainer.activation_checkpointing",
+            fix="set trainer.activation_checkpointing=none, or give the model a shard_units() method "
+            "returning its blocks (docs/own-model.md)",
+        )
+
+
+def apply(model: nn.Module, mode: ActivationCheckpointing, *, meter: ActivationMeter | None = None) -> int:
+    """Checkpoint each declared block of `model` in place; the number of blocks checkpointed. `meter`
+    (measuring activation memory) is told when a block recomputes."""
+    if mode == ActivationCheckpointing.none:
+        return 0
+    check(model, mode)
+    blocks = declared_blocks(model)
+    for block in blocks:
+        block.__class__ = _checkpointed(type(block))
+        # In the instance's own attributes (not a submodule, nor a state_dict entry).
+        block.__dict__["_ac"] = _Settings(selective=mode == ActivationCheckpointing.selective, meter=meter)
+    log.info(
+        "activation checkpointing (%s) of %d blocks of %s", mode.value, len(blocks), type(model).__name__
+    )
+    return len(blocks)
+
+
+def _checkpointed(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` with a forward that checkpoints its own; one class for every block of one type."""
+    if getattr(cls, "_ac_checkpointed", False):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            f"Checkpointed{cls.__name__}", (cls,), {"forward": _forward_of(cls), "_ac_checkpointed": True}
+        )
+    return _CLASSES[cls]
+
+
+_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+@dataclass(frozen=True)
+class _Settings:
+    selective: bool
+    meter: ActivationMeter | None
+
+
+def _forward_of(cls: type[nn.Module]) -> Any:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        run = functools.partial(cls.forward, self)
+        if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward anyway
+            return run(*args, **kwargs)
+        settings: _Settings = self.__dict__["_ac"]
+        selective, meter = settings.selective, settings.meter
+        if torch.compiler.is_compiling():  # compiled: the partitioner recomputes, from the same policy
+            if not selective:
+                return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            policy = functools.partial(create_selective_checkpoint_contexts, keep_expensive_ops)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=policy, **kwargs)
+        measuring = meter is not None and meter.measuring
+        return checkpoint(
+            run,
+            *args,
+            use_reentrant=False,
+            context_fn=functools.partial(_contexts, self, selective, meter),
+            # Recompute the whole block while measuring, so the tensors it made are done with at its end.
+            early_stop=not measuring,
+            respect_saved_tensors_hooks=True,  # the meter sees what selective keeps
+            **kwargs,
+        )
+
+    return forward
+
+
+def keep_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """selective's policy: keep what is costly to recompute, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _contexts(
+    block: nn.Module, selective: bool, meter: ActivationMeter | None
+) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """torch.utils.checkpoint's context_fn: (around the forward, around the recomputation)."""
+    forward, recompute = (
+        create_selective_checkpoint_contexts(keep_expensive_ops)
+        if selective
+        else (contextlib.nullcontext(), contextlib.nullcontext())
+    )
+    return forward, _recomputation(block, recompute, meter)
+
+
+@contextlib.contextmanager
+def _recomputation(
+    block: nn.Module, inner: contextlib.AbstractContextManager[Any], meter: ActivationMeter | None
+) -> Iterator[None]:
+    """Around a block's recomputation. Its BatchNorm layers run as in the forward (the same tensors
+    saved, which checkpoint checks) with momentum 0, which leaves their running statistics as they are,
+    and their batch count is put back."""
+    norms = [
+        (m, m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+        for m in block.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]
+    for m, _, _ in norms:
+        m.momentum = 0.0
+    try:
+        with inner, meter.recomputing() if meter is not None else contextlib.nullcontext():
+            yield
+    finally:
+        with torch.no_grad():
+            for m, momentum, count in norms:
+                m.momentum = momentum
+                if count is not None and m.num_batches_tracked is not None:
+                    m.num_batches_tracked.copy_(count)
