@@ -36,7 +36,8 @@ import torch
 
 from .conftest import made_once, metrics, run_here, weights
 
-pytestmark = pytest.mark.multiproc
+# Every run is made in the first test's setup (gpt_runs): minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 # lr 0.1: updates large against the weights, the eval loss well below ln(256) after 8 steps. 55,000
 # bytes of the corpus give an eval set that does not split evenly over 2, 3 or 4 ranks (Python 3.11).
