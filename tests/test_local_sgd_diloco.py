@@ -1,0 +1,229 @@
+"""local_sgd and diloco on 2 gloo processes. They are other algorithms than `single`, so what is tested
+is what holds exactly: with H = 1 and SGD as the (inner) optimizer local SGD is ddp, and so is DiLoCo
+with an outer SGD of lr 1 without momentum (to float rounding); the bytes per step are the model's
+parameters / H, measured and as the cost model declares them; a run stopped mid-period resumes bitwise
+(every rank's own copy and optimizer state, and DiLoCo's global parameters and outer momentum, are in
+the checkpoint), and the checkpoint's model is the global one, which `single` scores identically; bad
+settings are refused before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpexp import predict, strategies
+from ddpexp.config import Precision
+from ddpexp.engine import Engine, LoopSettings
+from ddpexp.errors import UserError
+from ddpexp.recorder import NullRecorder
+from ddpexp.strategies import Wrapped
+from ddpexp.strategies.local_sgd import split_by_bytes
+
+from .conftest import PARITY, RESUME, metrics, run_here, same_weights, scored_by_single
+from .test_cli import refuse
+from .test_training import assert_same_state, ckpt
+
+# Sums of two ranks' updates in another order than ddp's averaged gradient: float rounding only.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def close(a: Path, b: Path) -> bool:
+    wa, wb = weights(a), weights(b)
+    return wa.keys() == wb.keys() and all(torch.allclose(v, wb[k], **TOLERANCE) for k, v in wa.items())
+
+
+RUNS = {
+    "ddp": ["strategy=ddp"],
+    "local_sgd_h1": ["strategy=local_sgd", "strategy.sync_every=1"],
+    "diloco_h1_plain": [
+        "strategy=diloco",
+        "strategy.sync_every=1",
+        "strategy.outer_lr=1",
+        "strategy.outer_momentum=0",
+    ],
+    "diloco_h1_nesterov": ["strategy=diloco", "strategy.sync_every=1"],  # the paper's outer step
+    "local_sgd_h5": ["strategy=local_sgd", "strategy.sync_every=5"],
+    "diloco_h5_streaming": ["strategy=diloco", "strategy.sync_every=5", "strategy.fragments=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The PARITY experiment (5 steps of SGD with momentum 0.9 on the MLP, 2 ranks) under each of RUNS."""
+    cwd = tmp_path_factory.mktemp("periodic")
+    for name, args in RUNS.items():
+        result = run_here(cwd, *args, *PARITY, f"hydra.run.dir={name}")
+        assert result.returncode == 0, result
+    return cwd
+
+
+@pytest.mark.multiproc
+def test_with_h_1_and_sgd_both_are_ddp(runs: Path):
+    """SGD's update (momentum and weight decay included) is linear in the gradient, so averaging the
+    ranks' parameters after each step is stepping on the averaged gradient; DiLoCo's outer SGD with lr 1
+    and no momentum lands on that average. The controls: a Nesterov outer step, or averaging only
+    every 5 steps, is another algorithm, and the check tells."""
+    ddp = runs / "ddp"
+    assert close(runs / "local_sgd_h1", ddp)
+    assert close(runs / "diloco_h1_plain", ddp)
+    assert not close(runs / "diloco_h1_nesterov", ddp)
+    assert not close(runs / "local_sgd_h5", ddp)
+    # what is evaluated is the global model: with H = 1, ddp's
+    for name in ("local_sgd_h1", "diloco_h1_plain"):
+        ours, theirs = metrics(runs / name)["final"], metrics(ddp)["final"]
+        assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-5)
+        assert ours["eval/samples"] == theirs["eval/samples"]
+
+
+@pytest.mark.multiproc
+def test_bytes_per_step_are_the_models_parameters_over_h(runs: Path):
+    """comm/bytes_per_step = S/H (the MLP has no buffers), of the kind each sends, and what the cost
+    model declares for the run (`ddpexp-predict` compares the two one for one)."""
+    S = sum(v.numel() for v in weights(runs / "ddp").values()) * 4
+    expected = {
+        "local_sgd_h1": ("parameters", S),
+        "diloco_h1_plain": ("gradients", S),
+        "local_sgd_h5": ("parameters", S / 5),
+        "diloco_h5_streaming": ("gradients", S / 5),  # two halves, at steps 2 and 5
+    }
+    for name, (kind, nbytes) in expected.items():
+        final = metrics(runs / name)["final"]
+        assert final["comm/bytes_per_step"] == final[f"comm/bytes_per_step/{kind}"] == nbytes, name
+        assert predict.predicted_bytes(runs / name) == pytest.approx(nbytes, rel=1e-12), name
+        assert final["comm/time_per_step_s"] > 0, name  # timed although one step in 10 is sampled
+
+
+def test_fragments_split_the_parameters_into_consecutive_parts_of_about_equal_bytes():
+    sizes = [10, 1, 1, 100, 5, 5, 50, 50]
+    params = [torch.zeros(n) for n in sizes]
+    assert split_by_bytes(params, 1) == [list(range(8))]
+    assert split_by_bytes(params, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_by_bytes(params, 8) == [[i] for i in range(8)]
+    for parts in range(1, 9):
+        split = split_by_bytes(params, parts)
+        assert [i for part in split for i in part] == list(range(8)) and all(split), parts
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", ["diloco", "local_sgd"])
+def test_a_run_stopped_mid_period_resumes_bitwise_and_single_scores_its_checkpoint(
+    strategy: str, tmp_path: Path
+):
+    """Stopped at step 45 (checkpoints every 20 steps; H = 4, so 1 step into a period: the ranks' copies
+    differ) and resumed to 70: the same checkpoint state and model.pt as the run that never stopped.
+    The checkpoint's model is the global one (the average of the copies, or DiLoCo's global
+    parameters), which `single` scores as the run itself did."""
+    args = [f"strategy={strategy}", "strategy.sync_every=4", *RESUME]
+    whole = run_here(tmp_path, *args, "trainer.max_steps=70", "hydra.run.dir=whole")
+    assert whole.returncode == 0, whole
+    first = run_here(tmp_path, *args, "trainer.max_steps=45", "hydra.run.dir=parts")
+    assert first.returncode == 0, first
+    saved = ckpt(tmp_path / "parts")["optimizer"][strategy]
+    ranks = saved["ranks"]
+    assert saved["steps"] == 45 and len(ranks) == 2
+    assert not torch.equal(ranks[0]["params"][0], ranks[1]["params"][0])  # mid-period: copies differ
+    if strategy == "diloco":
+        assert saved["outer"]["state"]  # the outer momentum
+    second = run_here(tmp_path, *args, "trainer.max_steps=70", "hydra.run.dir=parts", "trainer.resume=auto")
+    assert second.returncode == 0, second
+    assert "resumed from" in second.stdout + second.stderr + (tmp_path / "parts" / "ddpexp.log").read_text()
+    assert_same_state(ckpt(tmp_path / "whole"), ckpt(tmp_path / "parts"))
+    assert same_weights(tmp_path / "whole", tmp_path / "parts")
+    ours = metrics(tmp_path / "whole")["final"]
+    theirs = scored_by_single(tmp_path, tmp_path / "whole")
+    assert theirs["eval/acc"] == ours["eval/acc"]
+    assert theirs["eval/loss"] == pytest.approx(ours["eval/loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["strategy=local_sgd", "strategy.sync_every=0"], ["strategy.sync_every", "1 or more"]),
+        (["strategy=diloco", "strategy.sync_every=-2"], ["strategy.sync_every", "1 or more"]),
+        (["strategy=diloco", "strategy.outer_lr=0"], ["strategy.outer_lr", "> 0"]),
+        (["strategy=diloco", "strategy.outer_momentum=1"], ["strategy.outer_momentum", "[0, 1)"]),
+        (["strategy=diloco", "strategy.fragments=0"], ["strategy.fragments", "> 0"]),
+        (
+            ["strategy=diloco", "strategy.sync_every=4", "strategy.fragments=5"],
+            ["strategy.fragments", "strategy.fragments<=4"],
+        ),
+        (
+            [
+                "strategy=diloco",
+                "model=toy",
+                "data=synthetic",
+                "strategy.sync_every=8",
+                "strategy.fragments=8",
+            ],
+            ["strategy.fragments", "too few"],
+        ),
+        (["strategy=local_sgd", "dist.nprocs=1"], ["dist.nprocs", "strategy=single"]),
+        (["strategy=local_sgd", "strategy.outer_lr=1"], ["strategy.outer_lr", "strategy=diloco"]),
+        (["strategy=diloco", "strategy.sync_bn=true"], ["strategy.sync_bn", "not in 'DilocoConfig'"]),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_starts(
+    args: list[str], words: list[str], tmp_path: Path, monkeypatch, capsys
+):
+    line = refuse(tmp_path, monkeypatch, capsys, *args)
+    for word in words:
+        assert word in line, line
+
+
+def test_fp16_is_refused_where_ranks_step_on_their_own_gradients(recwarn):
+    """fp16's loss scaler skips a step where a rank's gradients overflow; with gradients of their own,
+    one rank could skip alone and the ranks' synchronisations fall out of step."""
+    model = torch.nn.Linear(2, 2)
+    settings = LoopSettings(epochs=1, max_steps=None, log_every_steps=1, eval_every_epochs=1, global_batch=2)
+    settings.precision = Precision.fp16
+
+    def engine(own_steps: bool) -> Engine:
+        return Engine(
+            model=Wrapped(module=model, base=model, own_steps=own_steps, sync_buffers=lambda: None),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_loader=None,  # type: ignore[arg-type]
+            eval_loader=None,  # type: ignore[arg-type]
+            recorder=NullRecorder(),
+            settings=settings,
+            device=torch.device("cpu"),
+        )
+
+    engine(False)
+    with pytest.raises(UserError, match="fall out of step"):
+        engine(True)
+
+
+def test_both_describe_their_bytes_for_the_cost_model_and_diloco_allows_one_rank():
+    from .test_predict import S, job  # the ConvNet with BatchNorm: 116,136 bytes of parameters
+
+    statistics = sum(b.numel() * 4 for b in job(2).model.buffers() if b.is_floating_point())
+    assert statistics == 384  # running means and variances; the batch counters are equal on every rank
+    for name, settings in (("local_sgd", {"sync_every": 4}), ("diloco", {"sync_every": 4, "fragments": 2})):
+        out = strategies.resolve({"name": name, **settings}).communication(job=job(2))
+        assert [c.counted for c in out] == [S / 4, statistics / 4]
+        assert out[0].calls == settings.get("fragments", 1) / 4
+        assert strategies.resolve({"name": name, **settings}).communication(job=job(1)) == []
+
+
+def test_a_collective_of_some_steps_only_is_timed_every_time_and_not_scaled():
+    """The meter samples one step in k and scales the sampled busy time up by k; a collective that runs
+    every H steps would be missed by the sample or scaled k-fold, so it is added as it is."""
+    from ddpexp.strategies.comm import CommMeter
+
+    meter = CommMeter()
+    for step in range(4):
+        meter.begin_step(every=2)  # steps 0 and 2 sampled
+        if meter.timing:
+            meter.record(10.0 * step, 10.0 * step + 1.0, 8)  # 1 s in each sampled step
+        if step == 3:  # an unsampled step
+            meter.record_unsampled(35.0, 35.5, 100, "parameters")
+        meter.end_step()
+    busy, nbytes = meter.take()
+    assert busy == pytest.approx(2 * 2 + 0.5)  # 2 s sampled in 2 of 4 steps, scaled; 0.5 s as it is
+    assert nbytes["gradients"] == 16 and nbytes["parameters"] == 100
