@@ -227,3 +227,44 @@ def test_a_collective_of_some_steps_only_is_timed_every_time_and_not_scaled():
     busy, nbytes = meter.take()
     assert busy == pytest.approx(2 * 2 + 0.5)  # 2 s sampled in 2 of 4 steps, scaled; 0.5 s as it is
     assert nbytes["gradients"] == 16 and nbytes["parameters"] == 100
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_the_low_communication_preset_runs_each_strategy_on_one_model_batch_and_step_count():
+    """experiment=low_communication (the comparison on the DiLoCo page): five jobs, every one
+    accepted by pre-flight on a CPU-only host, with the same model, data, optimizer, global batch and
+    steps, a step count every H divides (the saved models then hold every step)."""
+    from hydra import compose
+
+    from ddpexp.composition import expand
+    from ddpexp.plan import HostFacts
+    from ddpexp.preflight import check_job
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand(["experiment=low_communication"], multirun=True, compose=comp)
+    assert varying == {"strategy"}
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    seen = {}
+    for job in expanded:
+        cfg = comp(job)
+        check_job(cfg, host, multirun=True)
+        strategy = strategies.resolve(cfg.strategy)
+        seen[next(o for o in job if o.startswith("strategy="))] = strategy.changed_settings()
+        assert (cfg.model.n_layer, cfg.data.block_size, cfg.optim.name) == (2, 64, "adamw")
+        assert (cfg.trainer.batch_size, cfg.trainer.max_steps) == (32, 400)
+        assert cfg.trainer.max_steps % getattr(strategy.settings, "sync_every", 1) == 0
+    assert seen == {
+        "strategy=ddp": {},
+        "strategy=local_sgd": {},
+        "strategy=diloco": {},
+        "strategy=diloco_streaming": {"fragments": 5},
+        "strategy=ps_async": {"mode": "async"},
+    }
+    # the page's second command (a sweep whose one job is this): local SGD at DiLoCo's H, same settings
+    more = ["experiment=low_communication", "strategy=local_sgd", "strategy.sync_every=50"]
+    cfg = comp(more)
+    check_job(cfg, host, multirun=True)
+    assert strategies.resolve(cfg.strategy).changed_settings() == {"sync_every": 50}
+    assert (cfg.trainer.batch_size, cfg.trainer.max_steps, cfg.model.n_layer) == (32, 400, 2)
