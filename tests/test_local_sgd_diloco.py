@@ -268,3 +268,37 @@ def test_the_low_communication_preset_runs_each_strategy_on_one_model_batch_and_
     check_job(cfg, host, multirun=True)
     assert strategies.resolve(cfg.strategy).changed_settings() == {"sync_every": 50}
     assert (cfg.trainer.batch_size, cfg.trainer.max_steps, cfg.model.n_layer) == (32, 400, 2)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_another_strategy_or_world_size_starts_every_rank_from_its_model(tmp_path: Path):
+    """A ddp checkpoint (no copies of its own) resumed under diloco, and that diloco checkpoint (2 ranks)
+    resumed on 4: every rank continues from the saved model and optimizer state in a fresh period; the
+    outer momentum carries over to another world size, with a warning that the run is not bitwise."""
+    args = [*RESUME, "trainer.max_steps=20"]
+    ddp = run_here(tmp_path, "strategy=ddp", *args, "hydra.run.dir=ddp")
+    assert ddp.returncode == 0, ddp
+    start = tmp_path / "ddp" / "checkpoints" / "last.pt"
+    diloco = ["strategy=diloco", "strategy.sync_every=4", *RESUME]
+    two = run_here(
+        tmp_path, *diloco, "trainer.max_steps=30", f'trainer.resume="{start}"', "hydra.run.dir=two"
+    )
+    assert two.returncode == 0, two
+    before = ckpt(tmp_path / "two")["optimizer"]["diloco"]
+    assert before["steps"] == 10 and before["outer"]["state"]  # 10 steps since the resume: 2 outer steps
+    then = tmp_path / "two" / "checkpoints" / "last.pt"
+    four = run_here(
+        tmp_path,
+        *diloco,
+        "dist.nprocs=4",
+        "trainer.max_steps=33",
+        f'trainer.resume="{then}"',
+        "hydra.run.dir=four",
+    )
+    assert four.returncode == 0, four
+    said = four.stdout + four.stderr + (tmp_path / "four" / "ddpexp.log").read_text()
+    assert "checkpoint of 2 ranks on 4" in said and "not bitwise" in said
+    after = ckpt(tmp_path / "four")["optimizer"]["diloco"]
+    assert after["world_size"] == 4 and after["steps"] == 3 and len(after["ranks"]) == 4
+    for key, state in before["outer"]["state"].items():  # no outer step since: the same momentum
+        assert torch.equal(state["momentum_buffer"], after["outer"]["state"][key]["momentum_buffer"]), key
