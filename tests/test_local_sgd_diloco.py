@@ -302,3 +302,20 @@ def test_a_checkpoint_of_another_strategy_or_world_size_starts_every_rank_from_i
     assert after["world_size"] == 4 and after["steps"] == 3 and len(after["ranks"]) == 4
     for key, state in before["outer"]["state"].items():  # no outer step since: the same momentum
         assert torch.equal(state["momentum_buffer"], after["outer"]["state"][key]["momentum_buffer"]), key
+
+
+@pytest.mark.multiproc
+def test_diloco_on_one_process_takes_outer_steps_and_sends_nothing(tmp_path: Path):
+    """One rank: every H steps the outer step moves the global model by the copy's progress, and the copy
+    restarts from it; nothing is sent, as declared."""
+    args = ["strategy=diloco", "strategy.sync_every=2", "dist.nprocs=1", *PARITY]
+    result = run_here(tmp_path, *args, "trainer.max_steps=4", "hydra.run.dir=one")
+    assert result.returncode == 0, result
+    m = metrics(tmp_path / "one")
+    assert m["facts"]["world_size"] == 1 and m["final"]["comm/bytes_per_step"] == 0
+    assert predict.predicted_bytes(tmp_path / "one") == 0
+    saved = ckpt(tmp_path / "one")["optimizer"]["diloco"]
+    mine = saved["ranks"][0]["params"]
+    assert saved["outer"]["state"] and saved["steps"] == 4
+    model = list(weights(tmp_path / "one").values())  # the MLP's parameters, in order
+    assert all(torch.equal(g, p) for g, p in zip(model, mine, strict=True))  # just after an outer step

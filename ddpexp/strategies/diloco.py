@@ -100,8 +100,8 @@ class Diloco(LocalSgd):
                 setting="strategy.fragments",
                 fix=f"use strategy.fragments<={s.sync_every}, or a larger strategy.sync_every",
             )
-        # One rank is allowed: the outer step on one copy's H-step progress is still DiLoCo (the paper
-        # reports it beating its own inner optimizer); nothing is sent.
+        # One rank is allowed: the outer step on one copy's H-step progress is still DiLoCo (a
+        # Lookahead-like slow/fast pair of weights); nothing is sent.
 
     def check_model(self, model: nn.Module) -> None:
         trained = sum(1 for p in model.parameters() if p.requires_grad)
