@@ -48,8 +48,8 @@ FILE_SECONDS = {
     "test_runs": 87,
     "test_faults_restarts": 85,
     "test_bench": 76,
-    "test_lm": 47,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by other runs (load 4.5)
     "test_local_sgd_diloco": 68,  # measured alone (-p no:xdist) on 2026-11-26, load 3-5
+    "test_lm": 47,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by other runs (load 4.5)
     "test_compare": 39,
     "test_faults_directories": 35,
     "test_architecture": 33,
