@@ -144,6 +144,13 @@ class Engine:
                 setting="trainer.precision",
                 fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
             )
+        if self.scaler is not None and model.own_steps:
+            raise UserError(
+                "fp16's loss scaling may skip an optimizer step on one rank alone, and this strategy's "
+                "ranks, which step on gradients of their own, would then fall out of step",
+                setting="trainer.precision",
+                fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
+            )
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)
         self.pos = Position()

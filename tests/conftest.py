@@ -50,6 +50,7 @@ FILE_SECONDS = {
     "test_faults_restarts": 85,
     "test_bench": 76,  # +60 s since for ac_bench.py's smoke run (measured alone, 2026-11-26, load 4)
     "test_activation_checkpointing": 140,  # measured alone on 2026-11-26, load 4
+    "test_local_sgd_diloco": 68,  # measured alone (-p no:xdist) on 2026-11-26, load 3-5
     "test_lm": 47,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by other runs (load 4.5)
     "test_compare": 39,
     "test_faults_directories": 35,

@@ -726,3 +726,57 @@ def test_tensorboard_opens_on_what_is_compared_in_percent_without_constant_chart
     assert "eval/acc" in metrics and metrics <= set(tags), metrics
     (run,) = report.find_runs([tmp_path])
     assert [v for _, v, _ in run.scalars["eval/acc"]] == pytest.approx([0.9, 0.97])  # back to fractions
+
+
+def test_plots_of_loss_vs_cost_set_strategies_side_by_side_at_equal_tokens_and_equal_bytes(tmp_path: Path):
+    """Runs that communicate differently (every step, every H steps): the bytes each rank sent in the run
+    (comm/bytes_per_step x each epoch's steps) in the table and the records, and loss_vs_cost.png, whose
+    panels put the training loss against the tokens trained on and against the bytes sent by then."""
+    per_step = {"ddp": 4e6, "local_sgd": 1e6}
+    for k, (strategy, nbytes) in enumerate(per_step.items()):
+        run_dir = fabricate(
+            tmp_path,
+            f"strategy={strategy}",
+            strategy=strategy,
+            devices=2,
+            start=T0 + 100 * k,
+            tokens_per_sample=8,
+        )
+        m = json.loads((run_dir / "metrics.json").read_text())
+        m["history"] = [  # 10 steps, then 10 more; single's measured nothing
+            {"epoch": 1, "step": 10, "comm/bytes_per_step": nbytes, "perf/samples_per_s": 1.0},
+            {"epoch": 2, "step": 20, "comm/bytes_per_step": nbytes, "perf/samples_per_s": 100.0},
+        ]
+        m["final"] |= m["history"][-1]
+        (run_dir / "metrics.json").write_text(json.dumps(m))
+        write_events(run_dir, [(0.5, step, T0 + step) for step in (5, 10, 15, 20)])
+    fabricate(tmp_path, "strategy=single", start=T0 + 300)
+    run_report(str(tmp_path))
+    rows = md_tables((tmp_path / "report.md").read_text())
+    assert [rows[f"strategy={s}"]["bytes moved (MB)"] for s in ("ddp", "local_sgd", "single")] == [
+        "80.0",
+        "20.0",
+        "-",
+    ]
+    (record,) = [
+        r
+        for r in report.records(report.group_runs(report.find_runs([tmp_path])), 0.9)
+        if r["strategy"] == "local_sgd"
+    ]
+    assert record["bytes_moved"] == 20e6
+    assert (tmp_path / "loss_vs_cost.png").stat().st_size > 5000
+
+    groups = report.group_runs(report.find_runs([tmp_path]))
+    fig = report_plots.cost_figure(groups, palette=report_plots.colours(groups), title="t")
+    by_tokens, by_bytes = fig.axes
+    assert by_tokens.get_xlabel() == "tokens trained on" and by_bytes.get_xscale() == "log"
+    lines = {line.get_label(): line for line in by_bytes.get_lines()}
+    assert sorted(lines) == ["ddp", "local_sgd"]  # single measured no bytes
+    assert list(lines["local_sgd"].get_xdata()) == [5e6, 10e6, 15e6, 20e6]
+    assert list(lines["ddp"].get_xdata()) == [20e6, 40e6, 60e6, 80e6]
+    tokens = {line.get_label(): list(line.get_xdata()) for line in by_tokens.get_lines()}
+    assert tokens["ddp"] == tokens["local_sgd"] == [step * 64 * 8 for step in (5, 10, 15, 20)]
+    assert list(lines["ddp"].get_ydata()) == pytest.approx([1 / 5, 1 / 10, 1 / 15, 1 / 20])
+    # nothing measured, nothing drawn
+    alone = report.group_runs(report.find_runs([tmp_path / "strategy=single"]))
+    assert alone and report_plots.cost_figure(alone, palette=report_plots.colours(alone), title="t") is None

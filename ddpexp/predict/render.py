@@ -84,7 +84,7 @@ def render(predictor: Predictor, points: Sequence[Point]) -> str:
         for c, t in widest.timed:
             where = "inter-node" if c.inter_node else "intra-node"
             lines.append(
-                f"      {c.what}: {c.op} over {c.ranks} ranks, {c.bytes:,.0f} bytes in {c.calls} call(s), "
+                f"      {c.what}: {c.op} over {c.ranks} ranks, {c.bytes:,.0f} bytes in {c.calls:g} call(s), "
                 f"{where}, hides behind {c.overlaps.value}: {t * 1e3:,.3g} ms"
             )
         if not widest.timed:

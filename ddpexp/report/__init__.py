@@ -12,6 +12,9 @@ tensorboard's own event reader; nothing is re-measured. Written into the first d
                        --target line
   loss_vs_step.png     training loss against optimizer step, log scale; curves that coincide keep
                        markers of their own and say "identical to" in the legend
+  loss_vs_cost.png     training loss against the tokens trained on (samples for data without tokens)
+                       and against the bytes each rank sent (log scale), a panel each: loss at equal
+                       tokens and at equal bytes moved (groups with measured communication only)
   throughput.png       samples/s per row (all devices; median, min-max bars when repeated)
   scaling.png          strong scaling (groups with a baseline whose device counts differ) and weak
                        scaling (below), one panel each; efficiencies > 1.05 ringed in red and labelled;
@@ -61,6 +64,8 @@ Definitions (also in the README):
   comm share           mean comm/share: fraction of training wall time with a gradient reduction running
   comm bytes/step      comm/bytes_per_step of the last epoch: the bytes each rank's gradient reductions
                        send per optimizer step (after PowerSGD's uncompressed start, when it ran that long)
+  bytes moved          the bytes each rank sent in the whole run, in MB: each epoch's comm/bytes_per_step
+                       x its steps, summed (metrics.json's history); median over the row's runs
   strategy             the strategy, with the settings that differ from its defaults (ddp comm_hook=bf16)
   bubble               pipeline runs, last epoch: pipe/bubble_frac (the measured share of a schedule step
                        spent outside the rank's stage) / pipe/bubble_frac_textbook ((p-1)/(m+p-1))

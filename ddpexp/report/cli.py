@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import fsutil
 from .groups import Group, context_line, group_runs
-from .plots import accuracy_figure, colours, loss_figure, save, throughput_figure
+from .plots import accuracy_figure, colours, cost_figure, loss_figure, save, throughput_figure
 from .prediction import prediction
 from .records import records, write_csv
 from .runs import find_runs
@@ -26,12 +26,13 @@ from .weak import weak_scaling
 def plots(
     groups: list[Group], out: Path, *, target: float, predicted: Callable[[Group], Any] | None = None
 ) -> list[Path]:
-    """The four PNGs (each drawn only when it has something to show), one palette for all."""
+    """The PNGs (each drawn only when it has something to show), one palette for all."""
     palette = colours(groups)
     title = context_line([run for group in groups for row in group.rows for run in row.runs])
     figures = {
         "acc_vs_time.png": accuracy_figure(groups, palette=palette, title=title, target=target),
         "loss_vs_step.png": loss_figure(groups, palette=palette, title=title),
+        "loss_vs_cost.png": cost_figure(groups, palette=palette, title=title),
         "throughput.png": throughput_figure(groups, palette=palette, title=title),
         "scaling.png": scaling_figure(groups, palette=palette, title=title, predicted=predicted),
     }

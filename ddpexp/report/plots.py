@@ -1,6 +1,6 @@
-"""The report's plots acc_vs_time.png, loss_vs_step.png and throughput.png, and what every plot shares
-(scaling.png too: scaling_plot.py): one colour per strategy and one label per row, the table's
-strategy column."""
+"""The report's plots acc_vs_time.png, loss_vs_step.png, loss_vs_cost.png and throughput.png, and
+what every plot shares (scaling.png too: scaling_plot.py): one colour per strategy and one label per
+row, the table's strategy column."""
 
 from __future__ import annotations
 
@@ -142,6 +142,56 @@ def loss_figure(groups: list[Group], *, palette: dict[str, Any], title: str) -> 
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=group.title)
         ax.grid(alpha=0.3, which="both")
         legend(ax, outside=entries > 4)
+    return fig
+
+
+def cost_figure(groups: list[Group], *, palette: dict[str, Any], title: str) -> Any | None:
+    """Training loss against what it cost, two panels a group: the tokens trained on (steps x the
+    global batch's tokens; samples for data without tokens) and the bytes each rank sent (log scale),
+    which tells strategies that communicate differently (every step, every H steps, through a server)
+    apart at equal tokens and at equal bytes moved. Groups where no run measured its bytes are left
+    out (None: no group left)."""
+    shown = [g for g in groups if any(run.bytes_moved() for row in g.rows for run in row.runs)]
+    if not shown:
+        return None
+    entries = _entries(shown)
+    fig, axes = figure(2 * len(shown), title, "Training loss vs tokens and vs bytes sent", entries=entries)
+    for k, group in enumerate(shown):
+        by_tokens, by_bytes = axes[2 * k], axes[2 * k + 1]
+        losses: list[float] = []
+        for row, style in row_styles(group, palette):
+            for i, run in enumerate(row.runs):
+                points = [(step, loss) for step, loss, _ in run.scalars.get("train/loss", [])]
+                per_step = run.tokens_per_step()
+                sent = [(b, loss) for step, loss in points if (b := run.bytes_at(step))]
+                drawn = {
+                    "color": style["color"],
+                    "ls": style["linestyle"],
+                    "marker": style["marker"],
+                    "markevery": max(1, len(points) // MARKS_PER_CURVE),
+                    "ms": 4,
+                    "lw": 1,
+                    "label": row.label if i == 0 else None,
+                }
+                if points and per_step:
+                    by_tokens.plot([step * per_step for step, _ in points], [v for _, v in points], **drawn)
+                if sent:
+                    by_bytes.plot([b for b, _ in sent], [v for _, v in sent], **drawn)
+                losses += [v for _, v in points]
+        tokens = any(row.facts.get("tokens_per_sample") for row in group.rows)
+        falls_far = bool(losses) and min(losses) > 0 and max(losses) > 3 * min(losses)
+        for ax, xlabel in (
+            (by_tokens, "tokens trained on" if tokens else "samples trained on"),
+            (by_bytes, "bytes sent per rank (log scale)"),
+        ):
+            if falls_far:
+                ax.set_yscale("log")
+            ax.set(
+                xlabel=xlabel, ylabel="train loss" + (" (log scale)" if falls_far else ""), title=group.title
+            )
+            ax.grid(alpha=0.3, which="both")
+            legend(ax, outside=entries > 4)
+        by_bytes.set_xscale("log")
     return fig
 
 

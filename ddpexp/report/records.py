@@ -75,6 +75,7 @@ def _record(group: Group, row: Row, target: float) -> dict[str, Any]:
         "vs_baseline": row.versus,
         "comm_share": row.median(lambda r: r.mean("comm/share")),
         "comm_bytes_per_step": final("comm/bytes_per_step"),
+        "bytes_moved": row.median(Run.bytes_moved),
         # the strategy's own scalars (its report_columns), by name: bubble_frac, staleness_max...
         **{
             tag.rpartition("/")[2]: final(tag)

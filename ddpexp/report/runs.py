@@ -4,6 +4,7 @@ event reader; and what one run measured (samples/s, times, the best metric's pro
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,38 @@ class Run:
             if (value <= target) if lower else (value >= target):
                 return wall - self.job_start
         return None
+
+    def bytes_sent(self) -> list[tuple[int, float]]:
+        """(step, bytes each rank had sent by then) at the start and at each epoch's end, from
+        metrics.json's history: comm/bytes_per_step x the steps the epoch took. Empty where the run
+        did not measure its communication."""
+        points = [(0, 0.0)]
+        for epoch in self.history:
+            per_step, step = finite_number(epoch.get("comm/bytes_per_step")), epoch.get("step")
+            if per_step is None or not isinstance(step, int) or step <= points[-1][0]:
+                continue  # an evaluation-only record, or an epoch that measured nothing
+            done, total = points[-1]
+            points.append((step, total + per_step * (step - done)))
+        return points if len(points) > 1 else []
+
+    def bytes_moved(self) -> float | None:
+        """Bytes each rank sent in the whole run (None: not measured)."""
+        sent = self.bytes_sent()
+        return sent[-1][1] if sent else None
+
+    def bytes_at(self, step: int) -> float | None:
+        """Bytes each rank had sent by `step`, at its epoch's rate within the epoch."""
+        sent = self.bytes_sent()
+        for (before, total), (after, then) in itertools.pairwise(sent):
+            if step <= after:
+                return total + (then - total) * (step - before) / (after - before)
+        return None
+
+    def tokens_per_step(self) -> float | None:
+        """Tokens (for data with tokens; else samples) one optimizer step trains on: the global batch's."""
+        batch = finite_number(self.facts.get("global_batch_size"))
+        per_sample = finite_number(self.facts.get("tokens_per_sample")) or 1.0
+        return batch * per_sample if batch is not None else None
 
     def mean(self, tag: str) -> float | None:
         vals = self.values(tag)

@@ -39,6 +39,7 @@ COLUMNS = (
     "warnings",
     "comm share",
     "comm bytes/step",
+    "bytes moved (MB)",
     "peak mem (MB)",
     "per rank MB: params/grads/optim/act",
 )
@@ -130,9 +131,14 @@ def _cells(row: Row, target: float) -> list[str]:
         " ".join(f"[{flag.number}]" for flag in row.warnings) or "-",
         _pct(row.median(lambda r: r.mean("comm/share"))),
         format_cell(final("comm/bytes_per_step"), "{:,.0f}"),
+        format_cell(_mb(row.median(Run.bytes_moved)), "{:,.1f}"),
         format_cell(row.median(lambda r: r.peak("mem/peak_mb")), "{:,.0f}"),
         _resident([final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")], final(ACT)),
     ]
+
+
+def _mb(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e6
 
 
 def _accuracy(row: Row, which: Callable[[Run], dict[str, Any]]) -> str:

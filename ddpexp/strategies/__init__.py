@@ -119,6 +119,9 @@ class Wrapped:
     # Where each rank holds only part of the gradients (a pipeline stage's): the whole model's gradient
     # norm from this rank's parameters, for trainer.clip_grad_norm. Collective: every rank calls it.
     grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] | None = None
+    # True where each rank steps its optimizer on gradients of its own, never synchronised (local SGD,
+    # DiLoCo): fp16's loss scaler could then skip a step on one rank alone, so the engine refuses fp16.
+    own_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.eval_module is None:

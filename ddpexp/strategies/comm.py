@@ -18,7 +18,9 @@ the busy time of the epoch is estimated from it: busy time of the timed steps x 
 Timing a DDP bucket costs a Python completion callback (and, on CUDA, a host synchronisation where a
 strategy times its own all-reduce); sampling keeps that off the other k-1 steps, whose collectives
 run untimed. DDP's hook itself, being Python, still runs on every step: on a CPU that is most of the
-meter's cost (scripts/comm_meter_cost.py measures it).
+meter's cost (scripts/comm_meter_cost.py measures it). A collective that runs on some steps only
+(local SGD's and DiLoCo's, every H steps) is timed every time instead (`record_unsampled`), since a
+sample of one step in k would miss it or catch it by chance; it is rare enough to cost nothing.
 
 `Collective` and `Workload` (at the end) are what strategies describe their communication with for the
 cost model (`Strategy.communication`, ddpexp.predict): `Collective.counted` is what this module's
@@ -57,6 +59,7 @@ class CommMeter:
         self.timing = True  # until the engine says steps begin: time everything
         self._steps = self._timed = 0
         self._intervals: list[tuple[float, float]] = []
+        self._unsampled: list[tuple[float, float]] = []  # record_unsampled's, timed on every step
         self._bytes = dict.fromkeys(KINDS, 0)
 
     def begin_step(self, every: int = 1) -> None:
@@ -82,22 +85,36 @@ class CommMeter:
         if self.timing:
             self.interval(start, end)
 
+    def record_unsampled(self, start: float, end: float, nbytes: int, kind: str = "gradients") -> None:
+        """A synchronous collective that runs on some steps only (every H-th: local SGD, DiLoCo). A
+        sample of one step in k would miss it or catch it by chance, so it is timed every time it runs
+        and its time is added to the busy time as it is, not scaled."""
+        self.count(nbytes, kind)
+        self._unsampled.append((start, end))
+
     def take(self) -> tuple[float, dict[str, int]]:
         """(busy seconds, bytes by kind) since the last call: the busy time is the timed steps'
-        scaled to every step (exact when every step was timed)."""
-        busy, reach = 0.0, float("-inf")
-        for start, end in sorted(self._intervals):
-            if end <= reach:
-                continue
-            busy += end - max(start, reach)
-            reach = end
+        scaled to every step (exact when every step was timed), plus the unsampled collectives'."""
+        busy = _merged(self._intervals)
         if self._timed:
             busy *= self._steps / self._timed
+        busy += _merged(self._unsampled)
         nbytes = self._bytes
-        self._intervals, self._bytes = [], dict.fromkeys(KINDS, 0)
+        self._intervals, self._unsampled, self._bytes = [], [], dict.fromkeys(KINDS, 0)
         self._steps = self._timed = 0
         self.timing = True
         return busy, nbytes
+
+
+def _merged(intervals: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of the intervals ran."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        busy += end - max(start, reach)
+        reach = end
+    return busy
 
 
 def record_when_done(meter: CommMeter, work: Any, start: float, nbytes: int, kind: str = "gradients") -> None:
@@ -238,7 +255,7 @@ class Collective:
     op: str
     bytes: float
     ranks: int
-    calls: int = 1
+    calls: float = 1  # per step on average: 1/H for a collective issued every H steps
     overlaps: Overlap = Overlap.none
     counted: float = 0.0
     inter_node: bool = False
