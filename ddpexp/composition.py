@@ -118,7 +118,7 @@ def expand(
         ) from exc
     params = base.hydra.sweeper.get("params") or {}
     basic = str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
-    combined = _parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides)
+    combined = _last_per_key(_parse(parser, [f"{k}={v}" for k, v in params.items()] + overrides))
     if basic and any(o.key_or_group == "repeat" and o.is_sweep_override() for o in combined):
         # trainer.repeats: the basic sweeper's product varies its first sweep slowest, so `repeat`
         # goes first (a stable sort) and every job runs once per round, in turn; a preset's sweep
@@ -129,6 +129,13 @@ def expand(
     varying = {o.key_or_group for o in combined if o.is_sweep_override()}
     choices = [_values(o, every=basic) for o in combined]
     return overrides, [list(job) for job in itertools.product(*choices)], varying
+
+
+def _last_per_key(parsed: list[Any]) -> list[Any]:
+    """One override per key, as Hydra's basic sweeper keeps them: the last one given (the command
+    line's over a preset's sweep), in the first one's place."""
+    last = {o.get_key_element(): o for o in parsed}
+    return list(last.values())
 
 
 def _refuse_unknown_additions(parsed: list[Any]) -> None:

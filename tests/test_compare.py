@@ -243,6 +243,19 @@ def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
         check_job(comp(job), host, multirun=True)
 
 
+@pytest.mark.usefixtures("hydra_conf")
+def test_a_preset_key_given_on_the_command_line_is_one_job_as_hydra_runs_it():
+    """`-m experiment=sharding strategy=zero`: Hydra's sweeper keeps the command line's strategy, so
+    pre-flight checks the one job Hydra will run, not one per preset option."""
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand(["experiment=sharding", "strategy=zero"], multirun=True, compose=comp)
+    assert [o for o in expanded[0] if o.startswith("strategy=")] == ["strategy=zero"] and len(expanded) == 1
+    assert "strategy" not in varying
+
+
 SHARDING = {  # experiment=sharding's jobs: strategy option -> (strategy, the settings that differ)
     "ddp": ("ddp", {}),
     "zero": ("zero", {}),
