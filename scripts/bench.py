@@ -45,7 +45,7 @@ write them), for single, ddp and fsdp (2 ranks), in two ways:
 Both contenders' OpenMP threads sleep between parallel regions (ddpexp sets OMP_WAIT_POLICY=PASSIVE
 for itself, this script for the twin), and both use ddpexp's threads rule (cores / processes).
 
-    python scripts/bench.py --transformer                   # 7 pairs, 10 rounds (about 45 min)
+    python scripts/bench.py --transformer                   # 7 pairs, 15 rounds (about 50 min)
     python scripts/bench.py --transformer --smoke           # gpt_tiny, 1 pair, 1 round (CI runs it)
 """
 
@@ -361,7 +361,7 @@ def main() -> None:
     p.add_argument("--transformer", action="store_true", help="the GPT against its twin (docstring)")
     p.add_argument("--gpt-model", default="gpt_small", help="--transformer: the size (smoke: gpt_tiny)")
     p.add_argument("--gpt-steps", type=int, default=4, help="--transformer: optimizer steps an epoch")
-    p.add_argument("--gpt-rounds", type=int, default=10, help="--transformer: rounds in gpt_overhead.py")
+    p.add_argument("--gpt-rounds", type=int, default=15, help="--transformer: rounds in gpt_overhead.py")
     args = p.parse_args()
     if args.transformer:
         gpt_main(args)
