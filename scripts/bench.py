@@ -25,6 +25,28 @@ the plain loop.
     python scripts/bench.py --smoke --strategies fsdp,zero    # the sharded twins, smoke-sized
 
 The smoke run's strategies are single and ddp unless --strategies names others.
+
+--transformer measures the GPT instead (`model=gpt_small`, `data=synthetic_tokens`, `task=lm`,
+`optim=adamw`, global batch 16 windows of 128 tokens, --gpt-steps optimizer steps an epoch) against
+its hand-written twin, scripts/plain_gpt.py (plain PyTorch, DDP and FSDP2 as PyTorch's examples
+write them), for single, ddp and fsdp (2 ranks), in two ways:
+
+  between processes  each repeat one pair of fresh processes, `python -m ddpexp` and the twin, the order
+                     swapped every repeat (drifting load falls on both alike), the strategies taking
+                     turns within a repeat. Per strategy: the median tokens/s of each, the median of the
+                     pairs' ratios ddpexp / twin with their min-max, ddpexp's start-up and peak memory
+                     beside the twin's, the largest relative difference between the two contenders'
+                     per-epoch training losses (both train the same model on the same batches: ~0, a
+                     check, not a speed) and the 1-minute load average at each start (min-max)
+  in turn            scripts/gpt_overhead.py: ddpexp's Engine on its strategy and the twin's loop in the
+                     same process(es), one epoch each in turn, --gpt-rounds rounds: the median ratio
+                     of the rounds (min-max), which resolves what the noise between processes hides
+
+Both contenders' OpenMP threads sleep between parallel regions (ddpexp sets OMP_WAIT_POLICY=PASSIVE
+for itself, this script for the twin), and both use ddpexp's threads rule (cores / processes).
+
+    python scripts/bench.py --transformer                   # 7 pairs, 15 rounds (about 50 min)
+    python scripts/bench.py --transformer --smoke           # gpt_tiny, 1 pair, 1 round (CI runs it)
 """
 
 from __future__ import annotations
@@ -39,6 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -87,9 +110,14 @@ def run_ddpexp(
     }
 
 
-def run_script(name: str, args: list[str]) -> dict[str, float]:
+def run_script(name: str, args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one of the scripts beside this one; its last stdout line is its JSON result."""
-    proc = subprocess.run([sys.executable, str(HERE / name), *args], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / name), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -139,6 +167,151 @@ def measure(
     return med
 
 
+# ------------------------------------------------------------------------------ --transformer
+
+GPT_BATCH = 16  # global batch, in windows of block_size tokens (8 a rank at 2 ranks)
+GPT_STRATEGIES = ("single", "ddp", "fsdp")
+# ddpexp makes its OpenMP threads sleep between parallel regions (ddpexp/host.py); the twins' do too.
+QUIET_WAITS = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def gpt_block_size(model: str) -> int:
+    """The size's context length (conf/model/<model>.yaml, else conf/model/gpt.yaml's)."""
+    import yaml
+
+    conf = HERE.parent / "conf" / "model"
+    for name in (model, "gpt"):
+        block = yaml.safe_load((conf / f"{name}.yaml").read_text()).get("block_size")
+        if block is not None:
+            return int(block)
+    raise SystemExit(f"{model}: no block_size")
+
+
+def run_ddpexp_gpt(
+    model: str, strategy: str, *, train_tokens: int, eval_tokens: int, epochs: int, run_dir: Path
+) -> dict:
+    cmd = [
+        sys.executable, "-m", "ddpexp", f"strategy={strategy}", f"model={model}", "data=synthetic_tokens",
+        "task=lm", "optim=adamw", f"data.train_tokens={train_tokens}", f"data.eval_tokens={eval_tokens}",
+        f"trainer.batch_size={GPT_BATCH}", f"trainer.epochs={epochs}", f"trainer.eval_every_epochs={epochs}",
+        "trainer.progress=false", "checkpoint.every_epochs=null", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "DDPEXP_T0": str(time.time())}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"ddpexp failed:\n{proc.stderr[-2000:]}")
+    m = json.loads((run_dir / "metrics.json").read_text())
+    history, facts = m["history"], m["facts"]
+    first_step_at = facts["job_started_at"] + m.get("time_to_first_step_s", float("nan"))
+    return {
+        "tokens_per_s": statistics.median(h["perf/tokens_per_s"] for h in history[1:] or history),
+        "startup_s": first_step_at - facts["command_started_at"],
+        "peak_mb": history[-1].get("mem/peak_mb", float("nan")),
+        "epoch_losses": [h["train/epoch_loss"] for h in history],
+    }
+
+
+def run_twin_gpt(model: str, strategy: str, *, train_tokens: int, eval_tokens: int, epochs: int) -> dict:
+    args = [f"--model={model}", f"--strategy={strategy}", f"--batch-size={GPT_BATCH}"]
+    args += [f"--train-tokens={train_tokens}", f"--eval-tokens={eval_tokens}", f"--epochs={epochs}"]
+    return run_script("plain_gpt.py", args, env=QUIET_WAITS)
+
+
+def measure_gpt(
+    model: str, strategies: list[str], *, steps: int, repeats: int, epochs: int, work: Path
+) -> dict[str, dict[str, float]]:
+    """Per strategy: pairs of runs, ddpexp and twin, in ABBA order, the strategies in turn in a repeat."""
+    block = gpt_block_size(model)
+    sizes = {"train_tokens": GPT_BATCH * block * steps + 1, "eval_tokens": GPT_BATCH * block + 1}
+    runs: dict[str, dict[str, list]] = {s: {"ddpexp": [], "twin": [], "load": []} for s in strategies}
+    for i in range(repeats):
+        for strategy in strategies:
+            order = ("ddpexp", "twin") if i % 2 == 0 else ("twin", "ddpexp")
+            for who in order:
+                runs[strategy]["load"].append(os.getloadavg()[0])
+                if who == "ddpexp":
+                    run_dir = work / f"gpt-{strategy}-{i}"
+                    result = run_ddpexp_gpt(model, strategy, epochs=epochs, run_dir=run_dir, **sizes)
+                else:
+                    result = run_twin_gpt(model, strategy, epochs=epochs, **sizes)
+                runs[strategy][who].append(result)
+    return {strategy: gpt_summary(r) for strategy, r in runs.items()}
+
+
+def gpt_summary(runs: dict[str, list]) -> dict[str, float]:
+    ours, twin = runs["ddpexp"], runs["twin"]
+    pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, twin, strict=True)]
+    gaps = [
+        abs(a - b) / abs(b)
+        for x, y in zip(ours, twin, strict=True)
+        for a, b in zip(x["epoch_losses"], y["epoch_losses"], strict=True)
+    ]
+    return {
+        "ddpexp": statistics.median(r["tokens_per_s"] for r in ours),
+        "twin": statistics.median(r["tokens_per_s"] for r in twin),
+        "ratio": statistics.median(pairs),
+        "ratio_min": min(pairs),
+        "ratio_max": max(pairs),
+        "start_s": statistics.median(r["startup_s"] for r in ours),
+        "peak_mb": statistics.median(r["peak_mb"] for r in ours),
+        "twin_mb": statistics.median(r["peak_mb"] for r in twin),
+        "loss_gap": max(gaps),
+        "load_min": min(runs["load"]),
+        "load_max": max(runs["load"]),
+    }
+
+
+GPT_COLUMNS = [  # (header, width, format, value)
+    ("ddpexp", 9, ",.0f", lambda m: m["ddpexp"]),
+    ("twin", 9, ",.0f", lambda m: m["twin"]),
+    ("ddpexp/twin", 11, ".3f", lambda m: m["ratio"]),
+    ("pair_min", 8, ".3f", lambda m: m["ratio_min"]),
+    ("pair_max", 8, ".3f", lambda m: m["ratio_max"]),
+    ("start_s", 7, ".1f", lambda m: m["start_s"]),
+    ("peak_MB", 8, ",.0f", lambda m: m["peak_mb"]),
+    ("twin_MB", 8, ",.0f", lambda m: m["twin_mb"]),
+    ("loss_gap", 8, ".1e", lambda m: m["loss_gap"]),
+    ("load", 9, "", lambda m: f"{m['load_min']:.1f}-{m['load_max']:.1f}"),
+]
+
+
+def gpt_main(args: argparse.Namespace) -> None:
+    model = "gpt_tiny" if args.smoke else args.gpt_model
+    repeats = 1 if args.smoke else args.repeats or 7
+    epochs = 2 if args.smoke else args.epochs or 4
+    steps = 2 if args.smoke else args.gpt_steps
+    strategies = (args.strategies or ",".join(GPT_STRATEGIES)).split(",")
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = measure_gpt(model, strategies, steps=steps, repeats=repeats, epochs=epochs, work=Path(tmp))
+    block = gpt_block_size(model)
+    print(f"tokens/s, {model}: global batch {GPT_BATCH} x {block} tokens, {steps} steps an epoch, AdamW")
+    head = f"{'strategy':<8} " + " ".join(f"{h:>{w}}" for h, w, _, _ in GPT_COLUMNS)
+    print(head)
+    for strategy, m in results.items():
+        print(f"{strategy:<8} " + " ".join(f"{value(m):>{w}{fmt}}" for _, w, fmt, value in GPT_COLUMNS))
+    print(
+        f"(median of {repeats} pairs of processes, each the median of its epochs 2-{epochs}; ddpexp/twin: "
+        f"median of the pairs' ratios; load: 1-minute load average at each start; {os.cpu_count()} CPUs, "
+        f"threads per rank = CPUs/ranks; {time.time() - started:.0f} s)"
+    )
+    rounds = 1 if args.smoke else args.gpt_rounds
+    print()
+    print(
+        f"in turn inside the same processes (scripts/gpt_overhead.py), {rounds} rounds: ddpexp / twin "
+        "tokens/s = median ratio (min-max of the rounds), loss gap, load"
+    )
+    for strategy in strategies:
+        load = os.getloadavg()[0]
+        common = [f"--model={model}", f"--strategy={strategy}", f"--steps={steps}", f"--rounds={rounds}"]
+        r = run_script("gpt_overhead.py", common, env=QUIET_WAITS)
+        print(
+            f"{strategy:<8} {r['ddpexp']:>9,.0f} / {r['twin']:>9,.0f} = {r['ratio']:.3f} "
+            f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f})  loss_gap {r['loss_gap']:.1e}  "
+            f"load {load:.1f}-{os.getloadavg()[0]:.1f}"
+        )
+
+
 COLUMNS = [  # (header, width, format, value)
     ("ddpexp:device", 13, ",.0f", lambda m: m["ddpexp:device/samples_per_s"]),
     ("ddpexp:loader", 13, ",.0f", lambda m: m["ddpexp:dataloader/samples_per_s"]),
@@ -180,14 +353,21 @@ def table(title: str, columns: list, rows: list[tuple[str, str, dict[str, float]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny and fast: checks that everything runs")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=5, help="per process; the first is a warm-up")
+    p.add_argument("--repeats", type=int, default=None, help="default: 5 (--transformer: 7)")
+    p.add_argument("--epochs", type=int, default=None, help="per process, the first a warm-up: 5 (4)")
     p.add_argument("--num-train", type=int, default=None, help="default: per model (MODELS)")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--strategies", default=None, help="default: single,ddp,fsdp,zero (smoke: single,ddp)")
+    p.add_argument("--transformer", action="store_true", help="the GPT against its twin (docstring)")
+    p.add_argument("--gpt-model", default="gpt_small", help="--transformer: the size (smoke: gpt_tiny)")
+    p.add_argument("--gpt-steps", type=int, default=4, help="--transformer: optimizer steps an epoch")
+    p.add_argument("--gpt-rounds", type=int, default=15, help="--transformer: rounds in gpt_overhead.py")
     args = p.parse_args()
-    repeats = 1 if args.smoke else args.repeats
-    epochs = 2 if args.smoke else args.epochs
+    if args.transformer:
+        gpt_main(args)
+        return
+    repeats = 1 if args.smoke else args.repeats or 5
+    epochs = 2 if args.smoke else args.epochs or 5
     models = "mlp" if args.smoke else args.models
     strategies = args.strategies or ("single,ddp" if args.smoke else "single,ddp,fsdp,zero")
     rows = []

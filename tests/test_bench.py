@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -18,13 +19,13 @@ from .conftest import REPO, start_ranks
 pytestmark = pytest.mark.multiproc
 
 
-def script_output(name: str, *args: str) -> list[str]:
+def script_output(name: str, *args: str, timeout: float = 300) -> list[str]:
     """The lines scripts/<name> prints, run from the repository as the README runs it; it must succeed."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / name), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,6 +60,39 @@ def test_benchmark_smoke_prints_a_row_per_strategy():
     ddp = lines[lines.index(next(ln for ln in lines if ln.startswith("ddp loop overhead"))) + 1].split()
     assert ddp[0] == "mlp" and float(ddp[ddp.index("=") + 1]) > 0  # the default: comm time sampled
     assert float(ddp[-3]) > 0 and float(ddp[-1]) > 0  # comm timed every step; meter off
+
+
+def test_transformer_benchmark_smoke_compares_ddpexp_with_its_twin_for_each_strategy():
+    """docs/performance.md's `bench.py --transformer` (its block is "run by" this file), with --smoke:
+    ddpexp and scripts/plain_gpt.py (plain PyTorch, DDP, FSDP2) train gpt_tiny, one pair of processes
+    per strategy. Its rows parse, and the twin trained what ddpexp trained: the same per-epoch training
+    losses (the same model, initial weights, batches and AdamW steps), so the speeds compare like for
+    like. Nothing here is about speed."""
+    page = (REPO / "docs/performance.md").read_text()
+    (line,) = [ln for ln in page.splitlines() if ln.startswith("python scripts/bench.py --transformer")]
+    name, *args = shlex.split(line.partition("#")[0])[1:]
+    lines = script_output(Path(name).name, *args, "--smoke", timeout=600)
+    assert lines[0].startswith("tokens/s, gpt_tiny: global batch 16 x 64 tokens")
+    head = lines[1].split()
+    assert head[:4] == ["strategy", "ddpexp", "twin", "ddpexp/twin"]
+    rows = {line.split()[0]: dict(zip(head, line.split(), strict=True)) for line in lines[2:5]}
+    assert list(rows) == ["single", "ddp", "fsdp"]
+    for row in rows.values():
+        number = {k: float(v.replace(",", "")) for k, v in row.items() if k not in ("strategy", "load")}
+        assert number["ddpexp"] > 0 and number["twin"] > 0
+        assert number["pair_min"] <= number["ddpexp/twin"] <= number["pair_max"]
+        assert number["start_s"] > 0 and number["peak_MB"] > 0 and number["twin_MB"] > 0
+        assert number["loss_gap"] < 1e-5, row  # FSDP and DDP reduce as their twins do: the same sums
+        low, high = (float(v) for v in row["load"].split("-"))
+        assert 0 <= low <= high
+    assert lines[5].startswith("(median of 1 pairs of processes")
+    assert lines[7].startswith("in turn inside the same processes (scripts/gpt_overhead.py), 1 rounds")
+    in_turn = [line.split() for line in lines[8:11]]
+    assert [row[0] for row in in_turn] == ["single", "ddp", "fsdp"]
+    for row in in_turn:  # strategy, ddpexp / twin = ratio (min-max)  loss_gap g  load a-b
+        ours, twin, ratio = (float(row[i].replace(",", "")) for i in (1, 3, 5))
+        assert ours > 0 and twin > 0 and ratio == pytest.approx(ours / twin, rel=1e-2)
+        assert row[7] == "loss_gap" and float(row[8]) < 1e-5, row  # the same training, epoch by epoch
 
 
 def _twins_rank(rank: int, ports: list[int], out_dir: str) -> None:

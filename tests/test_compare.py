@@ -227,6 +227,7 @@ def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tm
         ("allreduce", 6),
         ("sharding", 6),
         ("architectures", 8),
+        ("gpt_strategies", 11),
     ],
 )
 def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
@@ -348,6 +349,55 @@ def test_architectures_preset_runs_each_variant_on_the_same_convnet_and_batch_an
         "pipeline",
         "pipeline schedule=1f1b",
     }
+
+
+GPT_STRATEGIES = {  # experiment=gpt_strategies' jobs: option -> (strategy, settings that differ, world size)
+    "single": ("single", {}, 1),
+    "ddp": ("ddp", {}, 2),
+    "zero": ("zero", {}, 2),
+    "fsdp": ("fsdp", {}, 2),
+    "fsdp_no_reshard": ("fsdp", {"reshard_after_forward": False}, 2),
+    "ddp_bf16": ("ddp", {"comm_hook": "bf16"}, 2),
+    "naive_allreduce": ("naive_allreduce", {}, 2),
+    "pipeline": ("pipeline", {}, 2),
+    "pipeline_1f1b": ("pipeline", {"schedule": "1f1b"}, 2),
+    "ps": ("ps", {}, 3),
+    "ddp_mp": ("ddp_mp", {}, 2),
+}
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_gpt_strategies_preset_runs_every_strategy_on_gpt_small_and_the_stdlib_at_one_batch():
+    """Composition only: eleven jobs, one per strategy variant, gpt_small on the standard library's
+    source (task=lm, AdamW) at one global batch of 16 windows, 2 ranks (ps: 2 workers + its server);
+    eleven distinct labels in the report. trainer.repeats=2 runs them in two rounds."""
+    from ddpexp.plan import HostFacts
+    from ddpexp.preflight import check_job, with_repeats
+
+    comp, expanded, options = _strategy_preset("gpt_strategies")
+    assert options == list(GPT_STRATEGIES)
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    labels = set()
+    for job, option in zip(expanded, options, strict=True):
+        cfg = comp(job)
+        strategy, settings, world = GPT_STRATEGIES[option]
+        assert cfg.strategy.name == strategy
+        assert strategies.resolve(cfg.strategy).changed_settings() == settings
+        assert (cfg.model._target_, cfg.model.n_layer, cfg.model.dim) == ("ddpexp.models.gpt.gpt", 4, 256)
+        assert cfg.data._target_ == "ddpexp.data.python_stdlib.python_stdlib" and cfg.data.block_size == 128
+        assert (cfg.task._target_, cfg.optim.name) == ("ddpexp.tasks.LanguageModel", "adamw")
+        plan = check_job(cfg, host, multirun=True)
+        assert (plan.world_size, plan.global_batch) == (world, 16)
+        labels.add(strategy_label({"strategy": strategy, "strategy_settings": settings}))
+    assert len(labels) == len(GPT_STRATEGIES)
+    _, rounds, _ = expand(
+        with_repeats(["experiment=gpt_strategies", "trainer.repeats=2"], multirun=True),
+        multirun=True,
+        compose=comp,
+    )
+    assert [(job[0], job[1].removeprefix("strategy=")) for job in rounds] == [
+        (f"repeat={r}", option) for r in range(2) for option in GPT_STRATEGIES
+    ]
 
 
 def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_that_log_them(tmp_path: Path):
