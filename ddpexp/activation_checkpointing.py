@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from . import models
 from .config import ActivationCheckpointing
 from .errors import UserError
 from .memory import ActivationMeter
@@ -64,15 +65,10 @@ KEPT_OPS = frozenset(
 
 
 def declared_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks (shard_units(), else stages()) that are submodules of it, outermost only."""
-    for name in ("shard_units", "stages"):
-        declared = getattr(model, name, None)
-        if callable(declared):
-            inside = {id(m) for m in model.modules() if m is not model}
-            blocks = [m for m in declared() if id(m) in inside]
-            nested = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
-            return [b for b in blocks if id(b) not in nested]
-    return []
+    """The model's declared blocks (models.declared_blocks), outermost only."""
+    blocks = models.declared_blocks(model)
+    nested = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
+    return [b for b in blocks if id(b) not in nested]
 
 
 def check(model: nn.Module, mode: ActivationCheckpointing) -> None:

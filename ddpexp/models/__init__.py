@@ -70,6 +70,18 @@ def wired_kwargs(model_cfg: DictConfig, info: DataInfo) -> dict[str, Any]:
     return wired
 
 
+def declared_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks the model declares (`shard_units()`, else `stages()`) that are submodules of it.
+    stages() may build containers for ddp_mp around modules the model calls one by one (ResNet's stem
+    and head), whose own forward never runs: fsdp and activation checkpointing leave those out."""
+    for name in ("shard_units", "stages"):
+        declared = getattr(model, name, None)
+        if callable(declared):
+            inside = {id(m) for m in model.modules() if m is not model}
+            return [m for m in declared() if id(m) in inside]
+    return []
+
+
 # ddpexp's own settings in the model group: read by weights.py, never passed to the build function.
 SETTINGS = ("weights", "weights_strict")
 # What a build function that takes **kwargs is given (the torchvision/timm convention).

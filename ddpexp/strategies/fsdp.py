@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..models import declared_blocks
 from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import Collective, CommMeter, Overlap, Workload, record_when_done
 
@@ -65,10 +66,10 @@ class FsdpConfig(DataParallelConfig):
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The blocks each wrapped with fully_shard (the model's own declaration), [] if it has none.
 
-    Only blocks that are submodules of the model: stages() may build a container for ddp_mp around
-    modules the model calls one by one (ResNet's stem and head), whose forward then never runs, so FSDP
-    would never gather its parameters (and the root, finding them sharded already, refuses them). Those
-    parameters go with the root's unit instead, as do a block's that share a tensor with any module
+    Only blocks that are submodules of the model (models.declared_blocks): a container stages() builds
+    for ddp_mp never runs its own forward, so FSDP would never gather its parameters (and the root,
+    finding them sharded already, refuses them). Those parameters go with the root's unit instead, as
+    do a block's that share a tensor with any module
     outside it (tied weights): fully_shard replaces a parameter in its own unit's modules only, so
     a tie across units would become two parameters (FSDP's DeviceMesh crashes on the second). In the
     root's unit both uses see the one gathered tensor."""
@@ -77,15 +78,10 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def _units_and_ties(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
     """(shard_units(model); the names of the tied tensors that sent declared blocks to the root)."""
-    for name in ("shard_units", "stages"):
-        declared = getattr(model, name, None)
-        if callable(declared):
-            inside = {id(m) for m in model.modules() if m is not model}
-            blocks = [m for m in declared() if id(m) in inside and any(True for _ in m.parameters())]
-            ties = [_tied_outside(m, model) for m in blocks]
-            units = [m for m, tied in zip(blocks, ties, strict=True) if not tied]
-            return units, sorted({name for tied in ties for name in tied})
-    return [], []
+    blocks = [m for m in declared_blocks(model) if any(True for _ in m.parameters())]
+    ties = [_tied_outside(m, model) for m in blocks]
+    units = [m for m, tied in zip(blocks, ties, strict=True) if not tied]
+    return units, sorted({name for tied in ties for name in tied})
 
 
 def _tied_outside(unit: nn.Module, model: nn.Module) -> list[str]:
