@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from . import flops, host, strategies, tasks
+from . import host, strategies, tasks
 from .context import RunContext
 from .data import Splits
 from .job import Job
@@ -27,6 +27,7 @@ def run_facts(
     loader: str,
     lr: float,
     resumed: Path | None,
+    flops_per_token: float | None = None,
     peak: tuple[float | None, str] = (None, ""),
 ) -> dict[str, Any]:
     p, cfg = job.plan, job.cfg
@@ -75,7 +76,7 @@ def run_facts(
         "vocab_size": splits.info.vocab_size,
         "tokens_per_sample": splits.info.tokens_per_sample,
         # MFU's numbers (ddpexp/flops.py): training FLOPs per token, one device's peak and its source
-        "flops_per_token": flops.model_flops_per_token(model, splits.info.tokens_per_sample),
+        "flops_per_token": flops_per_token,
         "peak_flops": peak[0],
         "peak_flops_source": peak[1] or None,
         "train_samples": len(splits.train.dataset),  # type: ignore[arg-type]

@@ -72,6 +72,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         loader=mode,
         lr=lr,
         resumed=resumed[0] if resumed else None,
+        flops_per_token=settings.flops_per_token,
         peak=peak,
     )
     recorder = open_recorder(
