@@ -86,6 +86,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------- writing
 
 
+def to_cpu(obj: Any) -> Any:
+    """A state (dicts, lists and tuples of tensors) with every tensor in host memory: what a rank
+    gathers to rank 0 for it to save."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def serialize(state: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)

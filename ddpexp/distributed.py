@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,17 @@ def gather_objects(obj: object) -> list[object]:
         return [obj]
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """`obj` from every rank, in rank order, on rank 0; None on the others ([obj] without a process
+    group). Collective."""
+    if not active():
+        return [obj]
+    rank0 = dist.get_rank() == 0
+    out: list[Any] | None = [None] * dist.get_world_size() if rank0 else None
+    dist.gather_object(obj, out, dst=0)
     return out
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..checkpoint import to_cpu
 from ..errors import UserError, require_positive
 from . import Wrapped, register
 from .comm import Collective, CommMeter, Workload
@@ -50,7 +51,6 @@ from .local_sgd import (
     check_sync_every,
     periodic_communication,
     same_start,
-    to_cpu,
     unflatten,
 )
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
+from ..checkpoint import to_cpu
 from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
@@ -249,7 +250,7 @@ class Periodic:
             "buffers": [b.cpu().clone() for b in self.model.buffers()],
             "optimizer": to_cpu(optimizer.state_dict()),
         }
-        ranks = gather_to_rank0(mine)
+        ranks = distributed.gather_to_rank0(mine)
         if ranks is None:
             return {}
         own = {"world_size": self.world, "steps": self.steps, "ranks": ranks, **self.extra_state()}
@@ -391,27 +392,6 @@ def split_by_bytes(params: Sequence[torch.Tensor], parts: int) -> list[list[int]
         k = min(max(wanted, k, parts - (len(sizes) - i)), k + 1, parts - 1)
         out[k].append(i)
         done += size
-    return out
-
-
-def to_cpu(obj: Any) -> Any:
-    """A state dict with every tensor in host memory (to gather it to rank 0 and save it)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
-
-
-def gather_to_rank0(obj: Any) -> list[Any] | None:
-    """`obj` of every rank, in rank order, on rank 0 (None on the others). Collective."""
-    if not distributed.active():
-        return [obj]
-    rank0 = dist.get_rank() == 0
-    out: list[Any] | None = [None] * dist.get_world_size() if rank0 else None
-    dist.gather_object(obj, out, dst=0)
     return out
 
 

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import distributed
+from ..checkpoint import to_cpu
 from ..config import StrategyConfig
 from ..errors import UserError, require_positive
 from ..optim import OptimizerSpec
@@ -210,7 +212,7 @@ class Pipeline(Strategy[PipelineConfig]):
         runner = _runner(wrapped)
         local = runner.part.state_dict()
         mine = {full: local[key].detach().cpu() for key, full in runner.names} if runner.replica == 0 else {}
-        parts = _gather_to_rank0(mine)
+        parts = distributed.gather_to_rank0(mine) or []
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
             merged.update(part)
@@ -230,12 +232,12 @@ class Pipeline(Strategy[PipelineConfig]):
         mine: dict[str, Any] = {}
         if runner.replica == 0:
             mine = {
-                "state": {index[i]: _to_cpu(value) for i, value in local["state"].items()},
+                "state": {index[i]: to_cpu(value) for i, value in local["state"].items()},
                 "param_groups": [
                     {**g, "params": [index[i] for i in g["params"]]} for g in local["param_groups"]
                 ],
             }
-        parts = [p for p in _gather_to_rank0(mine) if p]
+        parts = [p for p in distributed.gather_to_rank0(mine) or [] if p]
         if not parts:
             return {}
         groups = [dict(g) for g in parts[0]["param_groups"]]
@@ -539,21 +541,6 @@ def _outside_stages(model: nn.Module, stages: list[nn.Module]) -> list[str]:
     """The model's tensors that no stage holds."""
     inside = {id(t) for s in stages for t in s.state_dict(keep_vars=True).values()}
     return [name for name, t in model.state_dict(keep_vars=True).items() if id(t) not in inside]
-
-
-def _gather_to_rank0(obj: Any) -> list[Any]:
-    """`obj` from every rank, on rank 0 (in rank order); [] elsewhere."""
-    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out or []
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
 
 
 # Activations between stages during evaluation: a header (dtype, rank, shape), then the tensor.
