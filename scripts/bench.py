@@ -81,29 +81,36 @@ def torch_gpus() -> int:
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout or 0)
 
 
-def run_ddpexp(
-    model: str, strategy: str, world: int, n: int, loader: str, work: Path, tag: str, epochs: int
-) -> dict[str, float]:
-    run_dir = work / tag
-    cmd = [
-        sys.executable, "-m", "ddpexp", f"strategy={strategy}", *MODELS[model][0], "data=synthetic",
-        f"data.num_train={n}", "data.num_eval=256", f"trainer.epochs={epochs}", "trainer.batch_size=64",
-        f"loader.mode={loader}", "trainer.progress=false", "checkpoint.every_epochs=null",
-        *([f"dist.nprocs={world}"] if strategy != "single" else []),
-        f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+def ddpexp_record(args: list[str], run_dir: Path) -> tuple[dict[str, Any], float]:
+    """`python -m ddpexp ARGS` run into run_dir: its metrics.json, and its start-up in seconds, from
+    this script's clock before the interpreter starts (DDPEXP_T0: facts.command_started_at) to the
+    first step."""
+    cmd = [sys.executable, "-m", "ddpexp", *args, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "DDPEXP_T0": str(time.time())}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"ddpexp failed:\n{proc.stderr[-2000:]}")
     m = json.loads((run_dir / "metrics.json").read_text())
+    facts = m["facts"]
+    first_step_at = facts["job_started_at"] + m.get("time_to_first_step_s", float("nan"))
+    return m, first_step_at - facts["command_started_at"]
+
+
+def run_ddpexp(
+    model: str, strategy: str, world: int, n: int, loader: str, work: Path, tag: str, epochs: int
+) -> dict[str, float]:
+    args = [
+        f"strategy={strategy}", *MODELS[model][0], "data=synthetic",
+        f"data.num_train={n}", "data.num_eval=256", f"trainer.epochs={epochs}", "trainer.batch_size=64",
+        f"loader.mode={loader}", "trainer.progress=false", "checkpoint.every_epochs=null",
+        *([f"dist.nprocs={world}"] if strategy != "single" else []),
+    ]  # fmt: skip
+    m, startup_s = ddpexp_record(args, work / tag)
     history = m["history"]
     last = history[-1]
-    facts = m["facts"]  # command_started_at is DDPEXP_T0: this script's clock, before the interpreter
-    first_step_at = facts["job_started_at"] + m.get("time_to_first_step_s", float("nan"))
     return {
         "samples_per_s": statistics.median(h["perf/samples_per_s"] for h in history[1:] or history),
-        "startup_s": first_step_at - facts["command_started_at"],
+        "startup_s": startup_s,
         "data_wait": last.get("perf/data_wait_frac", 0.0),
         "comm_share": last.get("comm/share", 0.0),
         "peak_mb": last.get("mem/peak_mb", float("nan")),
@@ -190,22 +197,17 @@ def gpt_block_size(model: str) -> int:
 def run_ddpexp_gpt(
     model: str, strategy: str, *, train_tokens: int, eval_tokens: int, epochs: int, run_dir: Path
 ) -> dict:
-    cmd = [
-        sys.executable, "-m", "ddpexp", f"strategy={strategy}", f"model={model}", "data=synthetic_tokens",
+    args = [
+        f"strategy={strategy}", f"model={model}", "data=synthetic_tokens",
         "task=lm", "optim=adamw", f"data.train_tokens={train_tokens}", f"data.eval_tokens={eval_tokens}",
         f"trainer.batch_size={GPT_BATCH}", f"trainer.epochs={epochs}", f"trainer.eval_every_epochs={epochs}",
-        "trainer.progress=false", "checkpoint.every_epochs=null", f"hydra.run.dir={run_dir}",
+        "trainer.progress=false", "checkpoint.every_epochs=null",
     ]  # fmt: skip
-    env = {**os.environ, "DDPEXP_T0": str(time.time())}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"ddpexp failed:\n{proc.stderr[-2000:]}")
-    m = json.loads((run_dir / "metrics.json").read_text())
-    history, facts = m["history"], m["facts"]
-    first_step_at = facts["job_started_at"] + m.get("time_to_first_step_s", float("nan"))
+    m, startup_s = ddpexp_record(args, run_dir)
+    history = m["history"]
     return {
         "tokens_per_s": statistics.median(h["perf/tokens_per_s"] for h in history[1:] or history),
-        "startup_s": first_step_at - facts["command_started_at"],
+        "startup_s": startup_s,
         "peak_mb": history[-1].get("mem/peak_mb", float("nan")),
         "epoch_losses": [h["train/epoch_loss"] for h in history],
     }
