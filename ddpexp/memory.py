@@ -28,9 +28,10 @@ MB = 2**20
 
 
 def _local(t: Any) -> Any:
-    """A DTensor's local shard, or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    """A DTensor's local shard, or the tensor itself (read directly: to_local() would add an autograd
+    node, and this runs inside autograd's saved-tensor hooks)."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
 
 
 def local_bytes(t: Any) -> int:
@@ -123,7 +124,7 @@ class ActivationMeter:
         key = _key(t)
         if key is None or key in self._own:
             return t
-        self._hold(key, t.untyped_storage().nbytes())
+        self._hold(key, _local(t).untyped_storage().nbytes())
         return _Saved(t, self, key, self._round)
 
     def _hold(self, key: tuple[str, int], nbytes: int) -> None:
@@ -161,14 +162,16 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 
 def _key(t: torch.Tensor) -> tuple[str, int] | None:
-    """The identity of `t`'s storage; None for a tensor with none of its own (meta, a subclass)."""
+    """The identity of `t`'s storage (a DTensor's: its local shard's); None for a tensor with none of
+    its own (meta, another wrapper subclass)."""
+    t = _local(t)
     if t.is_meta:
         return None
     try:
         storage = t.untyped_storage()
+        return str(storage.device), storage.data_ptr()
     except (NotImplementedError, RuntimeError):
         return None
-    return str(storage.device), storage.data_ptr()
 
 
 class _StoragesMade(TorchDispatchMode):

@@ -16,7 +16,8 @@ ffn_dim: GELU's input, SwiGLU's gate), `w3` (dim -> ffn_dim, SwiGLU's other inpu
 columns leaves each rank its own heads.
 
 Splits: `stages()` = embeddings, each block, final norm + head (ddp_mp and pipeline group them);
-`shard_units()` = the blocks (fsdp). `adapt_state_dict` reads GPT-2 files under Hugging Face's and
+`shard_units()` = the blocks (fsdp); `parallel_plan()` = how tensor parallelism splits each module
+(strategy=nd). `adapt_state_dict` reads GPT-2 files under Hugging Face's and
 nanoGPT's names (weights.py calls it); `flops_per_token` is the MFU numerator.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -208,6 +210,81 @@ class GPT(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    def parallel_plan(self, *, tp: int, sequence_parallel: bool) -> dict[str, Any]:
+        """The tensor-parallel plan over `tp` ranks: module path -> ParallelStyle, for
+        `parallelize_module` (Megatron's split, as PyTorch's TP tutorial and torchtitan apply it to
+        Llama). Per block, the q/k/v projections and the MLP's w1/w3 split by output columns (each
+        rank its own heads and hidden units), wo and w2 by input rows, so a block costs one
+        all-reduce of its output after attention and one after the MLP. The embeddings split by
+        vocabulary / position rows, the head by vocabulary columns, its logits gathered whole for
+        the task's loss.
+
+        sequence_parallel: between those regions the activations stay split along the sequence
+        (dim 1), so the norms run on 1/tp of the tokens; each all-reduce becomes a reduce-scatter,
+        and an all-gather brings the sequence back before attention and the MLP.
+
+        A size that does not split over `tp` ranks raises UserError naming it."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        self._check_tp(tp, sequence_parallel)
+        between = Shard(1) if sequence_parallel else Replicate()  # activations outside attention/MLP
+        plan: dict[str, Any] = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "output": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+        }
+        if self.pos_embeddings is not None:
+            positions = Shard(0) if sequence_parallel else Replicate()  # its output is (L, dim)
+            plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=positions)
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        for i, block in enumerate(self.blocks):
+            assert isinstance(block, Block)
+            at = f"blocks.{i}"
+            plan |= {
+                f"{at}.attention.wq": ColwiseParallel(),
+                f"{at}.attention.wk": ColwiseParallel(),
+                f"{at}.attention.wv": ColwiseParallel(),
+                f"{at}.attention.wo": RowwiseParallel(output_layouts=between),
+                f"{at}.feed_forward.w1": ColwiseParallel(),
+                f"{at}.feed_forward.w2": RowwiseParallel(output_layouts=between),
+            }
+            if block.feed_forward.w3 is not None:
+                plan[f"{at}.feed_forward.w3"] = ColwiseParallel()
+            if sequence_parallel:
+                gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                plan |= {
+                    f"{at}.attention_norm": SequenceParallel(),
+                    f"{at}.attention": gather,
+                    f"{at}.ffn_norm": SequenceParallel(),
+                    f"{at}.feed_forward": gather,
+                }
+        return plan
+
+    def _check_tp(self, tp: int, sequence_parallel: bool) -> None:
+        cfg = self.config
+        sizes = [
+            ("model.n_head", cfg.n_head, "heads"),
+            ("model.n_kv_head", cfg.n_kv_head, "key/value heads"),
+            ("model.ffn_dim", cfg.ffn_dim, "MLP hidden units"),
+            ("model.vocab_size", cfg.vocab_size, "vocabulary entries"),
+        ]
+        if sequence_parallel:
+            sizes.append(("model.block_size", cfg.block_size, "positions of the context"))
+        for setting, size, what in sizes:
+            if size % tp:
+                raise UserError(
+                    f"tensor parallelism over {tp} ranks splits the {size} {what}, which do not divide",
+                    setting=setting,
+                    fix=f"use a {setting} that is a multiple of strategy.tp={tp}, or a tp that divides "
+                    f"{size}: {_nearest([d for d in _divisors(size) if d > 1] or [1], tp)}",
+                )
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, a tied tensor once. non_embedding: those that multiply activations, i.e. all but

@@ -43,8 +43,10 @@ from ..commbench import Op
 
 # What the bytes were: gradients (DDP buckets, reduce-scatters, pushes to a server), parameters
 # (all-gathers, pulls from a server, ZeRO's broadcasts of the updated shards), synchronized BatchNorm's
-# statistics, and buffers (DDP's broadcast of rank 0's BatchNorm statistics before each forward).
-KINDS = ("gradients", "parameters", "sync_bn", "buffers")
+# statistics, buffers (DDP's broadcast of rank 0's BatchNorm statistics before each forward), and
+# tensor_parallel (what tensor parallelism sends: layers' inputs and outputs and their gradients, and
+# the sequence-parallel norms' weight gradients).
+KINDS = ("gradients", "parameters", "sync_bn", "buffers", "tensor_parallel")
 
 
 class CommMeter:

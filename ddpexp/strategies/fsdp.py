@@ -73,10 +73,10 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     outside it (tied weights): fully_shard replaces a parameter in its own unit's modules only, so
     a tie across units would become two parameters (FSDP's DeviceMesh crashes on the second). In the
     root's unit both uses see the one gathered tensor."""
-    return _units_and_ties(model)[0]
+    return units_and_ties(model)[0]
 
 
-def _units_and_ties(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
+def units_and_ties(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
     """(shard_units(model); the names of the tied tensors that sent declared blocks to the root)."""
     blocks = [m for m in declared_blocks(model) if any(True for _ in m.parameters())]
     ties = [_tied_outside(m, model) for m in blocks]
@@ -129,7 +129,7 @@ class Fsdp(Strategy[FsdpConfig]):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         if self.settings.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        units, ties = _units_and_ties(model)
+        units, ties = units_and_ties(model)
         if ties:
             log.info("tied weights %s: the blocks holding them are sharded with the root", ", ".join(ties))
         if not units and not ties:
@@ -144,7 +144,7 @@ class Fsdp(Strategy[FsdpConfig]):
         fsdp: Any = model
         meter = metered_collectives(model) if measure_comm else None
         return Wrapped(
-            module=model, base=model, no_sync=lambda: _no_grad_sync(fsdp), collective_eval=True, comm=meter
+            module=model, base=model, no_sync=lambda: no_grad_sync(fsdp), collective_eval=True, comm=meter
         )
 
     def communication(self, *, job: Workload) -> list[Collective]:
@@ -205,36 +205,56 @@ class Fsdp(Strategy[FsdpConfig]):
     # ------------------------------------------------------------------------- checkpoints
 
     def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state: Any = get_model_state_dict(wrapped.base, options=options)
-        return state
+        return full_model_state(wrapped.base)
 
     def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full: Any = state
-        set_model_state_dict(wrapped.base, full, options=StateDictOptions(full_state_dict=True))
+        load_full_model_state(wrapped.base, state)
 
     def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_optimizer_state_dict(wrapped.base, optimizer, options=options)
-        return _by_index(full, wrapped.base) if full else {}
+        return full_optimizer_state(wrapped.base, optimizer)
 
     def load_optimizer_state(
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        load_full_optimizer_state(wrapped.base, optimizer, state)
 
-        set_optimizer_state_dict(
-            wrapped.base,
-            optimizer,
-            _by_name(state, wrapped.base),
-            options=StateDictOptions(full_state_dict=True),
-        )
+
+# The full, unsharded state of a model whose parameters are DTensors (FSDP's shards, tensor-parallel
+# splits, or both), gathered on rank 0 in host memory, and loaded back into whatever layout the model
+# has now: torch.distributed.checkpoint.state_dict's full-state-dict helpers. Collective: every rank.
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state: Any = get_model_state_dict(model, options=options)
+    return state
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full: Any = state
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, optimizer, options=options)
+    return _by_index(full, model) if full else {}
+
+
+def load_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(
+        model, optimizer, _by_name(state, model), options=StateDictOptions(full_state_dict=True)
+    )
 
 
 def _unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -278,7 +298,7 @@ def _by_name(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
 
 
 @contextmanager
-def _no_grad_sync(model: Any) -> Iterator[None]:
+def no_grad_sync(model: Any) -> Iterator[None]:
     """Accumulation: keep unsharded gradients locally, reduce-scatter only on the last micro-batch."""
     model.set_requires_gradient_sync(False)
     try:

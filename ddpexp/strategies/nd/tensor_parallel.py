@@ -1,0 +1,294 @@
+"""Tensor parallelism: applying a model's plan, metering the collectives it issues, and predicting them.
+
+The plan is the model's own (`parallel_plan(tp=..., sequence_parallel=...)`: module path ->
+ParallelStyle, see models/gpt.py); `apply` hands it to `parallelize_module`. A tensor shared by two
+modules (tied embeddings) is parallelised once per module, each time replaced by a new parameter, so
+the tie is made again afterwards, to the first module's parameter (both styles must shard it alike).
+
+Metering: DTensor issues its collectives as functional ops (`_c10d_functional.*`), which a
+TorchDispatchMode sees (PyTorch's CommDebugMode counts them the same way). `CollectiveCounter` counts
+each one's payload as the other meters count theirs (the tensor each rank hands in: the whole
+activation for an all-reduce or a reduce-scatter, the rank's part for an all-gather), as kind
+`tensor_parallel`, and times it from launch to the wait on its result. FSDP's own collectives are c10d
+ops, not functional ones: fsdp.metered_collectives counts those.
+
+Prediction (`communication`): the plan's styles, each with the layouts it converts between, applied to
+the shapes of each module's input and output in a forward of one micro-batch on the meta device. The
+rules (`_style_traffic`) are DTensor's redistributions: Replicate -> Replicate across a ColwiseParallel
+input is free forward and an all-reduce of the input's gradient backward; Partial -> Replicate after a
+RowwiseParallel is an all-reduce forward; Partial -> Shard a reduce-scatter forward and an all-gather
+of the gradient backward; Shard -> Replicate an all-gather forward and a reduce-scatter backward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ...errors import UserError
+from ..comm import Collective, CommMeter, Overlap
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+KIND = "tensor_parallel"
+NORM_GRADIENTS = "sequence-parallel norms' weight gradient all-reduce, once per step"
+
+
+def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool) -> dict[str, Any]:
+    """The model's tensor-parallel plan for `tp` ranks, or a UserError for a model without one."""
+    declare: Callable[..., dict[str, Any]] | None = getattr(model, "parallel_plan", None)
+    if not callable(declare):
+        raise UserError(
+            f"{type(model).__name__} declares no tensor-parallel plan (parallel_plan())",
+            setting="strategy.tp",
+            fix="set strategy.tp=1, or use a model with a plan (model=gpt, gpt_tiny, gpt_small...)",
+        )
+    return declare(tp=tp, sequence_parallel=sequence_parallel)
+
+
+def apply(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
+    """parallelize_module(model, mesh, plan), keeping tied parameters tied."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    names = _tied_names(model)
+    parallelize_module(model, mesh, plan)
+    for first, *others in names:
+        owner, _, leaf = first.rpartition(".")
+        shared = getattr(model.get_submodule(owner), leaf)
+        for name in others:
+            module, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module), attr, shared)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+# The functional collectives DTensor issues, by name: each one's payload is its first argument.
+_FUNCTIONAL = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_",
+        "all_reduce_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+        "all_to_all_single",
+        "broadcast",
+        "broadcast_",
+    }
+)
+
+
+def _payload(first: Any) -> int:
+    tensors = first if isinstance(first, list | tuple) else [first]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class CollectiveCounter:
+    """A TorchDispatchMode (made on first use: see `counter`) over a training step: every functional
+    collective's payload into `meter`, and on the steps it times, launch to wait."""
+
+    def __init__(self, meter: CommMeter) -> None:
+        self.meter = meter
+        self.mode = _mode_class()(self)
+        self.launched: dict[int, float] = {}
+
+    def seen(self, name: str, args: tuple[Any, ...], out: Any, start: float) -> None:
+        if name == "wait_tensor":
+            begun = self.launched.pop(id(args[0]), None)
+            if begun is not None:
+                self.meter.interval(begun, time.perf_counter())
+            return
+        self.meter.count(_payload(args[0]), KIND)
+        if self.meter.timing:
+            for t in out if isinstance(out, list | tuple) else [out]:
+                self.launched[id(t)] = start
+
+
+def _mode_class() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __init__(self, counter: CollectiveCounter) -> None:
+            super().__init__()
+            self.counter = counter
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            if func.namespace == "_c10d_functional":
+                name = func._opname
+                if name in _FUNCTIONAL or name == "wait_tensor":
+                    self.counter.seen(name, args, out, start)
+            return out
+
+    return Mode
+
+
+# ----------------------------------------------------------------------------------------- prediction
+
+
+def communication(
+    model: nn.Module,
+    plan: dict[str, Any],
+    *,
+    tp: int,
+    micro_batch: int,
+    input_shape: tuple[int, ...],
+    input_dtype: torch.dtype,
+    microbatches: int,
+    inter_node: bool,
+) -> list[Collective]:
+    """What the plan sends per optimizer step of `microbatches` forward/backward passes of
+    `micro_batch` samples each, over `tp` ranks (see the module docstring); `model` on meta."""
+    shapes = _module_shapes(model, plan, micro_batch, input_shape, input_dtype)
+    totals: dict[tuple[str, str, Overlap], list[float]] = {}
+    for path, style in plan.items():
+        inputs, output = shapes[path]
+        given = _arrives_as_dtensor(plan, path)
+        module = model.get_submodule(path)
+        for what, op, full, overlaps in _style_traffic(style, inputs, output, module, given):
+            entry = totals.setdefault((what, op, overlaps), [0.0, 0.0, 0.0])
+            counted = full / tp if op == "all_gather" else full  # commbench sizes it by its output
+            times = 1 if what == NORM_GRADIENTS else microbatches  # reduced once, after the step's last
+            entry[0] += full * times
+            entry[1] += counted * times
+            entry[2] += times
+    return [
+        Collective(what, op, b, tp, calls, overlaps, counted=c, inter_node=inter_node)
+        for (what, op, overlaps), (b, c, calls) in totals.items()
+    ]
+
+
+def _module_shapes(
+    model: nn.Module, plan: dict[str, Any], batch: int, input_shape: tuple[int, ...], dtype: torch.dtype
+) -> dict[str, tuple[list[int], int]]:
+    """For each planned module: the byte sizes of its tensor inputs and of its output, in one forward
+    of `batch` samples on the meta device."""
+    seen: dict[str, tuple[list[int], int]] = {}
+    handles = []
+    for path in plan:
+
+        def hook(module: nn.Module, args: Any, out: Any, path: str = path) -> None:
+            sizes = [_payload(a) for a in args if isinstance(a, torch.Tensor)]
+            seen.setdefault(path, (sizes, _payload(out)))
+
+        handles.append(model.get_submodule(path).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(torch.zeros((batch, *input_shape), dtype=dtype, device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def local_shapes(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[int, tuple[int, ...]]:
+    """The shape each parameter the plan splits has on one rank (by id): a column-wise Linear's weight
+    and bias split on dim 0 (an Embedding's weight on dim 1), a row-wise Linear's weight on dim 1 (its
+    bias whole), a row-wise Embedding's weight on dim 0. Parameters it does not split are absent."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out: dict[int, tuple[int, ...]] = {}
+
+    def split(p: Any, dim: int) -> None:
+        if isinstance(p, torch.Tensor):
+            shape = list(p.shape)
+            shape[dim] = -(-shape[dim] // tp)
+            out[id(p)] = tuple(shape)
+
+    for path, style in plan.items():
+        module = model.get_submodule(path)
+        embedding = isinstance(module, nn.Embedding)
+        if isinstance(style, ColwiseParallel):
+            split(module.weight, 1 if embedding else 0)
+            split(getattr(module, "bias", None), 0)
+        elif isinstance(style, RowwiseParallel):
+            split(module.weight, 0 if embedding else 1)
+    return out
+
+
+def _arrives_as_dtensor(plan: dict[str, Any], path: str) -> bool:
+    """Whether the module at `path` is called with DTensors: an enclosing module's PrepareModuleInput
+    hands them on as DTensors, whose gradients then travel back as they are (Partial) to be reduced
+    once, at that module's input, rather than at each inner module's."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    parts = path.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        outer = plan.get(".".join(parts[:end]))
+        if isinstance(outer, PrepareModuleInput) and not outer.use_local_output:
+            return True
+    return False
+
+
+def _style_traffic(
+    style: Any, inputs: list[int], output: int, module: nn.Module, arrives_as_dtensor: bool
+) -> list[tuple[str, str, float, Overlap]]:
+    """(what, op, full bytes, overlap) of one ParallelStyle on a module whose tensor inputs and output
+    are these sizes (whole, unsplit tensors)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    out: list[tuple[str, str, float, Overlap]] = []
+    if isinstance(style, ColwiseParallel | PrepareModuleInput):
+        layouts = zip(style.input_layouts or (), style.desired_input_layouts or (), inputs, strict=False)
+        for given, want, size in layouts:
+            if given is None or want is None:
+                continue
+            if isinstance(given, Shard) and isinstance(want, Replicate):
+                out += [
+                    ("input all-gather (sequence parallel), forward", "all_gather", size, Overlap.none),
+                    (
+                        "input gradient reduce-scatter (sequence parallel)",
+                        "reduce_scatter",
+                        size,
+                        Overlap.none,
+                    ),
+                ]
+            elif isinstance(style, ColwiseParallel) and _input_has_grad(module) and not arrives_as_dtensor:
+                out.append(("input gradient all-reduce (column-wise)", "all_reduce", size, Overlap.none))
+    if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Replicate):
+        out.append(("output all-gather (column-wise)", "all_gather", output, Overlap.none))
+    if isinstance(style, RowwiseParallel):
+        layout = style.output_layouts[0]
+        if isinstance(layout, Replicate):
+            out.append(("output all-reduce (row-wise), forward", "all_reduce", output, Overlap.none))
+        elif isinstance(layout, Shard):
+            out += [
+                (
+                    "output reduce-scatter (row-wise, sequence parallel)",
+                    "reduce_scatter",
+                    output,
+                    Overlap.none,
+                ),
+                ("output gradient all-gather (sequence parallel)", "all_gather", output, Overlap.none),
+            ]
+    if isinstance(style, SequenceParallel):
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        if params:
+            out.append((NORM_GRADIENTS, "all_reduce", params, Overlap.none))
+    return out
+
+
+def _input_has_grad(module: nn.Module) -> bool:
+    """Whether a module's input carries a gradient back (not an embedding's token ids)."""
+    return not isinstance(module, nn.Embedding)

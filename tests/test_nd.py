@@ -1,0 +1,165 @@
+"""strategy=nd: data, tensor and sequence parallelism composed on one device mesh.
+
+Every combination that fits a world of 4 on CPU (pipeline stages inside nd aside) trains the
+transformer to single's parameters at the same global batch, within test_gpt_parity's fp32 bound
+(a tensor's distance from single's <= 1e-4 of single's update of it); the bytes its meters count equal
+what its cost model declares; a 2-D run's checkpoint resumes under single and under another mesh.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddpexp.errors import UserError
+from ddpexp.strategies.nd.degrees import Degrees, resolve
+
+from .conftest import made_once, metrics, run_here, weights
+from .test_cli import refuse
+from .test_gpt_parity import EXACT, GPT, assert_same_job, drift
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
+
+CHECKPOINTED = ["checkpoint.every_steps=4"]
+# name -> (world size, arguments after GPT)
+MESHES: dict[str, tuple[int, list[str]]] = {
+    "tp 2": (2, ["strategy.tp=2"]),
+    "tp 2 sequence parallel": (2, ["strategy.tp=2", "strategy.sequence_parallel=true"]),
+    "dp_shard 2 x tp 2": (4, ["strategy.dp_shard=2", "strategy.tp=2", *CHECKPOINTED]),
+    "dp_shard 2 x tp 2 sequence parallel, clip, accumulate 2": (
+        4,
+        [
+            "strategy.dp_shard=2",
+            "strategy.tp=2",
+            "strategy.sequence_parallel=true",
+            "trainer.clip_grad_norm=0.5",
+            "trainer.accumulate=2",
+        ],
+    ),
+    "dp_replicate 2 x dp_shard 2": (4, ["strategy.dp_replicate=2", "strategy.dp_shard=2"]),
+    "dp_replicate 2 x tp 2": (4, ["strategy.dp_replicate=2", "strategy.tp=2", "strategy.dp_shard=1"]),
+}
+SINGLES = {"init": ["trainer.max_steps=0"], "single": [], "single clip": ["trainer.clip_grad_norm=0.5"]}
+
+
+def _folder(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+@pytest.fixture(scope="module")
+def nd_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    def make(cwd: Path) -> None:
+        for name, args in SINGLES.items():
+            result = run_here(cwd, *GPT, "strategy=single", *args, f"hydra.run.dir={_folder(name)}")
+            assert result.returncode == 0, result
+        for name, (_, args) in MESHES.items():
+            result = run_here(cwd, *GPT, "strategy=nd", *args, f"hydra.run.dir={_folder(name)}")
+            assert result.returncode == 0, result
+
+    made = made_once(tmp_path_factory, "nd-runs", make)
+    return {name: made / _folder(name) for name in [*SINGLES, *MESHES]}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_every_mesh_trains_the_transformer_to_single_s_parameters(nd_runs: dict[str, Path], name: str):
+    world, _ = MESHES[name]
+    run, single = nd_runs[name], nd_runs["single clip" if "clip" in name else "single"]
+    measured = drift(weights(run), weights(single), weights(nd_runs["init"]))
+    assert measured <= EXACT, f"{name}: a tensor drifted {measured:.3g} from single's, allowed {EXACT:g}"
+    ours, theirs = assert_same_job(run, single, world)
+    assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-6, abs=0)
+    assert ours["train/epoch_loss"] == pytest.approx(theirs["train/epoch_loss"], rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_the_bytes_each_mesh_sends_are_the_bytes_its_cost_model_declares(nd_runs: dict[str, Path], name: str):
+    """comm/bytes_per_step, counted by the meters (FSDP's collectives, HSDP's all-reduce, and every
+    collective DTensor issues for tensor parallelism), equals the sum of what Nd.communication declares
+    for the run's size, which ddpexp-predict prices."""
+    from ddpexp.predict import predicted_bytes
+
+    final = metrics(nd_runs[name])["final"]
+    assert final["comm/bytes_per_step"] > 0
+    assert predicted_bytes(nd_runs[name]) == pytest.approx(final["comm/bytes_per_step"], rel=1e-9)
+    if "tp" in name:
+        assert final["comm/bytes_per_step/tensor_parallel"] > 0
+    else:
+        assert "comm/bytes_per_step/tensor_parallel" not in final
+
+
+def test_sequence_parallelism_moves_other_collectives_than_plain_tensor_parallelism(nd_runs: dict[str, Path]):
+    """The same parameters, but its reduce-scatters and all-gathers are not plain tp's all-reduces:
+    the byte counts differ (and each matches its own declaration, above)."""
+    plain, sequence = (metrics(nd_runs[n])["final"] for n in ("tp 2", "tp 2 sequence parallel"))
+    tag = "comm/bytes_per_step/tensor_parallel"
+    assert plain[tag] != sequence[tag]
+
+
+def test_a_2d_checkpoint_resumes_under_single_and_under_another_mesh(
+    nd_runs: dict[str, Path], tmp_path: Path
+):
+    """dp_shard 2 x tp 2's checkpoint at step 4 holds full, plain state: single and tp 2 with sequence
+    parallelism each continue from it to the uninterrupted 2-D run's parameters at step 8."""
+    uninterrupted = nd_runs["dp_shard 2 x tp 2"]
+    start = uninterrupted / "checkpoints" / "step-00000004.pt"
+    for name, args in {
+        "single": ["strategy=single"],
+        "tp": ["strategy=nd", "strategy.tp=2", "strategy.sequence_parallel=true"],
+    }.items():
+        result = run_here(tmp_path, *GPT, *args, f'trainer.resume="{start}"', f"hydra.run.dir={name}")
+        assert result.returncode == 0, result
+        measured = drift(weights(tmp_path / name), weights(uninterrupted), weights(nd_runs["init"]))
+        assert measured <= EXACT, f"resumed under {name}: drifted {measured:.3g}"
+        assert metrics(tmp_path / name)["final"]["step"] == 8
+
+
+def test_degrees_take_the_rest_of_the_world_and_lay_ranks_tp_innermost():
+    assert resolve({"pp": 1, "dp_replicate": 1, "dp_shard": -1, "tp": 2}, 8) == Degrees(1, 1, 4, 2)
+    d = Degrees(pp=1, dp_replicate=2, dp_shard=2, tp=2)
+    assert [d.data_shard(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert d.coordinates(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+
+
+@pytest.mark.parametrize(
+    ("given", "world", "words"),
+    [
+        ({"dp_shard": 2, "tp": 2}, 2, ["= 4 ranks", "the run has 2", "dist.nprocs=4"]),
+        ({"dp_shard": -1, "tp": -1}, 4, ["strategy.tp", "both -1"]),
+        ({"dp_shard": -1, "tp": 3}, 4, ["dist.nprocs", "4 ranks do not divide by tp 3"]),
+        ({"dp_shard": 0, "tp": 1}, 4, ["strategy.dp_shard", "positive"]),
+    ],
+)
+def test_bad_degrees_are_refused_naming_the_setting(given: dict[str, int], world: int, words: list[str]):
+    full = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **given}
+    with pytest.raises(UserError) as refused:
+        resolve(full, world)
+    line = str(refused.value)
+    assert all(w in line for w in words) and "(fix: " in line, line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (
+            ["strategy.tp=2", "strategy.dp_shard=2", "dist.nprocs=2"],
+            ["dp_shard 2 x tp 2 = 4 ranks", "dist.nprocs=4"],
+        ),
+        (["strategy.tp=3", "strategy.dp_shard=1"], ["model.n_head", "4 heads", "strategy.tp=3", "2 or 4"]),
+        (["strategy.tp=2", "model.n_head=2", "model.n_kv_head=1"], ["model.n_kv_head", "1 key/value heads"]),
+        (
+            ["strategy.tp=4", "strategy.sequence_parallel=true", "model.block_size=66", "data.block_size=66"],
+            ["model.block_size", "66 positions"],
+        ),
+        (
+            ["model=mlp", "data=synthetic", "task=classification", "strategy.tp=2"],
+            ["no tensor-parallel plan"],
+        ),
+    ],
+)
+def test_the_command_line_refuses_a_mesh_that_cannot_work_before_anything_starts(
+    overrides: list[str], words: list[str], tmp_path: Path, monkeypatch, capsys
+):
+    args = ["model=gpt_tiny", "data=python_stdlib", "task=lm", "strategy=nd", *overrides]
+    line = refuse(tmp_path, monkeypatch, capsys, *args)
+    assert all(word in line for word in words), line
