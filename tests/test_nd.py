@@ -1,6 +1,6 @@
-"""strategy=nd: data, tensor and sequence parallelism composed on one device mesh.
+"""strategy=nd: data, tensor, sequence and pipeline parallelism composed on one device mesh.
 
-Every combination that fits a world of 4 on CPU (pipeline stages inside nd aside) trains the
+Every combination that fits a world of 4 on CPU trains the
 transformer to single's parameters at the same global batch, within test_gpt_parity's fp32 bound
 (a tensor's distance from single's <= 1e-4 of single's update of it); the bytes its meters count equal
 what its cost model declares; a 2-D run's checkpoint resumes under single and under another mesh.
@@ -39,6 +39,8 @@ MESHES: dict[str, tuple[int, list[str]]] = {
     ),
     "dp_replicate 2 x dp_shard 2": (4, ["strategy.dp_replicate=2", "strategy.dp_shard=2"]),
     "dp_replicate 2 x tp 2": (4, ["strategy.dp_replicate=2", "strategy.tp=2", "strategy.dp_shard=1"]),
+    "pp 2 x tp 2": (4, ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
+    "pp 2 x dp_shard 2, 1f1b": (4, ["strategy.pp=2", "strategy.dp_shard=2", "strategy.schedule=1f1b"]),
 }
 SINGLES = {"init": ["trainer.max_steps=0"], "single": [], "single clip": ["trainer.clip_grad_norm=0.5"]}
 
@@ -154,6 +156,11 @@ def test_bad_degrees_are_refused_naming_the_setting(given: dict[str, int], world
         (
             ["model=mlp", "data=synthetic", "task=classification", "strategy.tp=2"],
             ["no tensor-parallel plan"],
+        ),
+        (["strategy.pp=5", "strategy.dp_shard=1"], ["strategy.pp: GPT splits into at most 4 stages, not 5"]),
+        (
+            ["strategy.pp=2", "strategy.dp_shard=1", "strategy.microbatches=3"],
+            ["strategy.microbatches", "does not split into 3 micro-batches"],
         ),
     ],
 )

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -63,6 +64,17 @@ class CommMeter:
         self._intervals: list[tuple[float, float]] = []
         self._unsampled: list[tuple[float, float]] = []  # record_unsampled's, timed on every step
         self._bytes = dict.fromkeys(KINDS, 0)
+        self._paused = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Count and time nothing inside: communication that is not a training step's (a pipeline
+        schedule's one-off inference of its stages' shapes)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def begin_step(self, every: int = 1) -> None:
         """An optimizer step starts: time it if it is one in `every` (the first after `take` is)."""
@@ -75,10 +87,12 @@ class CommMeter:
         self.timing = False
 
     def count(self, nbytes: int, kind: str = "gradients") -> None:
-        self._bytes[kind] += nbytes
+        if not self._paused:
+            self._bytes[kind] += nbytes
 
     def interval(self, start: float, end: float) -> None:
-        self._intervals.append((start, end))
+        if not self._paused:
+            self._intervals.append((start, end))
 
     def record(self, start: float, end: float, nbytes: int, kind: str = "gradients") -> None:
         """A collective that ran from `start` to `end` (perf_counter), synchronously: its bytes always,
@@ -92,7 +106,8 @@ class CommMeter:
         sample of one step in k would miss it or catch it by chance, so it is timed every time it runs
         and its time is added to the busy time as it is, not scaled."""
         self.count(nbytes, kind)
-        self._unsampled.append((start, end))
+        if not self._paused:
+            self._unsampled.append((start, end))
 
     def take(self) -> tuple[float, dict[str, int]]:
         """(busy seconds, bytes by kind) since the last call: the busy time is the timed steps'

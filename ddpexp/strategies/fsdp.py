@@ -224,10 +224,12 @@ class Fsdp(Strategy[FsdpConfig]):
 # has now: torch.distributed.checkpoint.state_dict's full-state-dict helpers. Collective: every rank.
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_model_state(model: nn.Module, *, on_every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """On global rank 0 (the other ranks get {}), or on_every_rank (on the model's device: a pipeline
+    stage's owner is not rank 0)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
     state: Any = get_model_state_dict(model, options=options)
     return state
 
@@ -239,10 +241,12 @@ def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> N
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, on_every_rank: bool = False
+) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_every_rank)
     full = get_optimizer_state_dict(model, optimizer, options=options)
     return _by_index(full, model) if full else {}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, cast
@@ -50,10 +51,9 @@ from ..optim import OptimizerSpec
 from . import ReportColumn, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload
 from .ddp_mp import boundary_bytes, group, model_stages, refuse_ties_across
+from .fsdp import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ..context import RunContext
     from ..plan import HostFacts, Plan
     from ..tasks import Loss
@@ -102,45 +102,14 @@ class Pipeline(Strategy[PipelineConfig]):
         return [rank // self.settings.stages for rank in range(world_size)]
 
     def check(self, *, plan: Plan, host: HostFacts) -> None:
-        batch, micro = plan.per_rank_batch, self.settings.microbatches
-        if batch % micro:
-            divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
-            per_batch = plan.global_batch // batch  # replicas x accumulated micro-batches
-            raise UserError(
-                f"the per-rank batch {batch} does not split into {micro} micro-batches",
-                setting="strategy.microbatches",
-                fix=f"use strategy.microbatches={divisor} (a divisor of {batch}), or "
-                f"trainer.batch_size={_round_up(plan.global_batch, micro * per_batch)}",
-            )
-        if self.settings.schedule == Schedule("1f1b") and micro < self.settings.stages:
-            raise UserError(
-                f"1F1B needs at least as many micro-batches as stages ({self.settings.stages}), got {micro}",
-                setting="strategy.microbatches",
-                fix=f"use strategy.microbatches>={self.settings.stages}, or strategy.schedule=gpipe",
-            )
+        check_microbatches(plan, self.settings.microbatches, self.settings.schedule, self.settings.stages)
 
     def check_model(self, model: nn.Module) -> None:
-        stages = model_stages(model)
-        if len(stages) < self.settings.stages:
-            raise UserError(
-                f"{type(model).__name__} splits into at most {len(stages)} stages, "
-                f"not {self.settings.stages}",
-                setting="strategy.stages",
-                fix=f"use strategy.stages<={len(stages)}",
-            )
-        outside = _outside_stages(model, stages)
-        if outside:
-            raise UserError(
-                f"{type(model).__name__}'s stages() leave out {', '.join(outside[:3])}"
-                + (f" (and {len(outside) - 3} more)" if len(outside) > 3 else "")
-                + ": no stage would train or save them",
-                setting="strategy",
-                fix="make stages() cover every layer of the model, or use strategy=ddp",
-            )
-        refuse_ties_across(model, group(stages, self.settings.stages))
+        check_stages(model, self.settings.stages, setting="strategy.stages")
 
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
-        runner = StageRunner(model, self.settings, ctx=ctx)
+        s = self.settings
+        runner = StageRunner(model, layout_of(s, ctx.rank), s.microbatches, s.schedule, ctx=ctx)
         meter = CommMeter() if measure_comm and runner.dp_group is not None else None
         return Wrapped(
             module=runner,
@@ -209,28 +178,183 @@ class Pipeline(Strategy[PipelineConfig]):
     # ------------------------------------------------------------------------- checkpoints
 
     def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
-        runner = _runner(wrapped)
-        local = runner.part.state_dict()
-        mine = {full: local[key].detach().cpu() for key, full in runner.names} if runner.replica == 0 else {}
-        parts = distributed.gather_to_rank0(mine) or []
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
-        return {name: merged[name] for name in runner.order if name in merged}
+        return _runner(wrapped).model_state()
 
     def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
-        runner = _runner(wrapped)
-        mine = {key: state[full] for key, full in runner.names if full in state}
-        runner.part.load_state_dict(mine, strict=False)
+        _runner(wrapped).load_model_state(state)
 
     def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return _runner(wrapped).optimizer_state(optimizer)
+
+    def load_optimizer_state(
+        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        _runner(wrapped).load_optimizer_state(optimizer, state)
+
+
+def check_microbatches(plan: Plan, micro: int, schedule: Schedule, stages: int) -> None:
+    """Refuse micro-batches that do not split the per-rank batch, or too few for 1F1B."""
+    batch = plan.per_rank_batch
+    if batch % micro:
+        divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
+        per_batch = plan.global_batch // batch  # replicas x accumulated micro-batches
+        raise UserError(
+            f"the per-rank batch {batch} does not split into {micro} micro-batches",
+            setting="strategy.microbatches",
+            fix=f"use strategy.microbatches={divisor} (a divisor of {batch}), or "
+            f"trainer.batch_size={_round_up(plan.global_batch, micro * per_batch)}",
+        )
+    if schedule == Schedule("1f1b") and micro < stages:
+        raise UserError(
+            f"1F1B needs at least as many micro-batches as stages ({stages}), got {micro}",
+            setting="strategy.microbatches",
+            fix=f"use strategy.microbatches>={stages}, or strategy.schedule=gpipe",
+        )
+
+
+def check_stages(model: nn.Module, count: int, *, setting: str) -> None:
+    """Refuse a model that does not split into `count` stages covering every layer, or with a weight
+    tied across two of them (`setting`: the degree that asks for the stages)."""
+    stages = model_stages(model)
+    if len(stages) < count:
+        raise UserError(
+            f"{type(model).__name__} splits into at most {len(stages)} stages, not {count}",
+            setting=setting,
+            fix=f"use {setting}<={len(stages)}",
+        )
+    outside = _outside_stages(model, stages)
+    if outside:
+        raise UserError(
+            f"{type(model).__name__}'s stages() leave out {', '.join(outside[:3])}"
+            + (f" (and {len(outside) - 3} more)" if len(outside) > 3 else "")
+            + ": no stage would train or save them",
+            setting="strategy",
+            fix="make stages() cover every layer of the model, or use strategy=ddp",
+        )
+    refuse_ties_across(model, group(stages, count))
+
+
+def _replicas(settings: PipelineConfig, world: int) -> int:
+    """The replicas `world` processes make of `stages`-stage pipelines (a whole number, or a refusal)."""
+    if world % settings.stages:
+        raise UserError(
+            f"{world} processes do not make whole pipelines of {settings.stages} stages",
+            setting="devices",
+            fix=f"use a multiple of strategy.stages={settings.stages}",
+        )
+    return world // settings.stages
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where one rank's stage sits: its stage of `stages`, the global ranks it receives activations from
+    and sends them to, its pipeline's process group (None: the world is the pipeline), the group of
+    the same stage in every replica whose gradients the runner averages (None: no replicas, or the
+    part's own FSDP reduces them), that group's source rank, and whether this rank's copy of its part
+    is the one checkpoints hold (one rank per stage)."""
+
+    stage: int
+    stages: int
+    prev: int
+    next: int
+    pipe_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    dp_root: int = 0
+    owner: bool = True
+
+
+def layout_of(settings: PipelineConfig, rank: int) -> StageLayout:
+    """strategy=pipeline's layout: rank = replica x stages + stage (see the module docstring)."""
+    stages, replicas = settings.stages, settings.replicas
+    stage, replica = rank % stages, rank // stages
+    pipe_group, dp_group = _make_groups(stages, replicas, stage=stage, replica=replica)
+    return StageLayout(stage, stages, rank - 1, rank + 1, pipe_group, dp_group, stage, replica == 0)
+
+
+class StageRunner(nn.Module):
+    """This rank's part of the model and everything it needs to run it: its place in the layout, the
+    process groups, the pipelining schedule for training, and its forward for evaluation (which sends
+    the activations on and returns the outputs on the last stage, None elsewhere).
+
+    `prepare` parallelises the part further before the schedule takes it (strategy=nd: tensor
+    parallelism and FSDP on the stage's own sub-mesh); its parameters may then be DTensors, which the
+    checkpoint methods gather whole. `local_norm` is the part's gradient norm (default: plain tensors')."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: StageLayout,
+        microbatches: int,
+        schedule: Schedule,
+        *,
+        ctx: RunContext,
+        prepare: Callable[[nn.Module], None] | None = None,
+        local_norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.stage, self.stages, self.microbatches = layout.stage, layout.stages, microbatches
+        self.device = ctx.device
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
+        self.prev, self.next = layout.prev, layout.next
+        self.pipe_group, self.dp_group, self.dp_root = layout.pipe_group, layout.dp_group, layout.dp_root
+        self.local_norm = local_norm or torch.nn.utils.get_total_norm
+
+        parts = group(model_stages(model), self.stages)
+        self.part = parts[self.stage].to(self.device)
+        for index, other in enumerate(parts):
+            if index != self.stage:
+                other.to("meta")  # the other stages' weights live on other ranks
+        if prepare is not None:
+            prepare(self.part)
+        self.sharded = any(_is_dtensor(p) for p in self.part.parameters())
+        self.order, self.names, self.param_index = _naming(model, self.part)
+        self._broadcast_from_replica0([*self.part.parameters(), *self.part.buffers()])
+
+        self.timer = StageTimer(self.device)
+        self.scale = 1.0
+        self.losses: list[torch.Tensor] = []
+        self.task_loss: Loss | None = None  # the step's: train_step's argument
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        stage = timed_stage_class()(
+            self.part, self.stage, self.stages, self.device, group=self.pipe_group, timer=self.timer
+        )
+        kind = ScheduleGPipe if schedule == Schedule("gpipe") else Schedule1F1B
+        # scale_grads=False: scaling is in the loss (see the module docstring).
+        self.schedule = kind(stage, microbatches, loss_fn=self._loss, scale_grads=False)
+
+    # ------------------------------------------------------------------------- checkpoints
+    # The whole model's state, gathered on rank 0 under the model's own names, from the rank of each
+    # stage that owns its part. Every rank calls them: gathering a sharded part is collective too.
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        local = full_model_state(self.part, on_every_rank=True) if self.sharded else self.part.state_dict()
+        mine = {full: local[key].detach().cpu() for key, full in self.names} if self.layout.owner else {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in distributed.gather_to_rank0(mine) or []:
+            merged.update(part)
+        return {name: merged[name] for name in self.order if name in merged}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        mine = {key: state[full] for key, full in self.names if full in state}
+        if self.sharded:
+            load_full_model_state(self.part, mine)
+        else:
+            self.part.load_state_dict(mine, strict=False)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The state a plain optimizer over the whole model would hold: entries and param_groups
         numbered in model.parameters() order (as every other strategy's checkpoint numbers them)."""
-        runner = _runner(wrapped)
-        local = optimizer.state_dict()
-        index = runner.param_index
+        sharded = self.sharded
+        local = (
+            full_optimizer_state(self.part, optimizer, on_every_rank=True)
+            if sharded
+            else optimizer.state_dict()
+        )
+        index = self.param_index
         mine: dict[str, Any] = {}
-        if runner.replica == 0:
+        if self.layout.owner:
             mine = {
                 "state": {index[i]: to_cpu(value) for i, value in local["state"].items()},
                 "param_groups": [
@@ -249,68 +373,19 @@ class Pipeline(Strategy[PipelineConfig]):
         state = {k: v for part in parts for k, v in part["state"].items()}
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
-    def load_optimizer_state(
-        self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        index = _runner(wrapped).param_index
-        local_of = {g: i for i, g in enumerate(index)}
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        local_of = {g: i for i, g in enumerate(self.param_index)}
         groups = []
         for g in state["param_groups"]:
             params = [local_of[p] for p in g["params"] if p in local_of]
             if params:
                 groups.append({**g, "params": params})
         entries = {local_of[p]: value for p, value in state["state"].items() if p in local_of}
-        optimizer.load_state_dict({"state": entries, "param_groups": groups})
-
-
-def _replicas(settings: PipelineConfig, world: int) -> int:
-    """The replicas `world` processes make of `stages`-stage pipelines (a whole number, or a refusal)."""
-    if world % settings.stages:
-        raise UserError(
-            f"{world} processes do not make whole pipelines of {settings.stages} stages",
-            setting="devices",
-            fix=f"use a multiple of strategy.stages={settings.stages}",
-        )
-    return world // settings.stages
-
-
-class StageRunner(nn.Module):
-    """This rank's part of the model and everything it needs to run it: its place in the layout, the
-    process groups, the pipelining schedule for training, and its forward for evaluation (which sends
-    the activations on and returns the outputs on the last stage, None elsewhere)."""
-
-    def __init__(self, model: nn.Module, settings: PipelineConfig, *, ctx: RunContext) -> None:
-        super().__init__()
-        stages, replicas = settings.stages, settings.replicas
-        self.stage, self.replica = ctx.rank % stages, ctx.rank // stages
-        self.stages, self.microbatches = stages, settings.microbatches
-        self.device = ctx.device
-        self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
-        self.prev, self.next = ctx.rank - 1, ctx.rank + 1  # global ranks of the neighbouring stages
-        groups = _make_groups(stages, replicas, stage=self.stage, replica=self.replica)
-        self.pipe_group, self.dp_group = groups
-        self.dp_root = self.stage  # global rank of this stage in replica 0: the data-parallel source
-
-        parts = group(model_stages(model), stages)
-        self.part = parts[self.stage].to(self.device)
-        for index, other in enumerate(parts):
-            if index != self.stage:
-                other.to("meta")  # the other stages' weights live on other ranks
-        self.order, self.names, self.param_index = _naming(model, self.part)
-        self._broadcast_from_replica0([*self.part.parameters(), *self.part.buffers()])
-
-        self.timer = StageTimer(self.device)
-        self.scale = 1.0
-        self.losses: list[torch.Tensor] = []
-        self.task_loss: Loss | None = None  # the step's: train_step's argument
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
-        stage = timed_stage_class()(
-            self.part, self.stage, stages, self.device, group=self.pipe_group, timer=self.timer
-        )
-        kind = ScheduleGPipe if settings.schedule == Schedule("gpipe") else Schedule1F1B
-        # scale_grads=False: scaling is in the loss (see the module docstring).
-        self.schedule = kind(stage, settings.microbatches, loss_fn=self._loss, scale_grads=False)
+        mine = {"state": entries, "param_groups": groups}
+        if self.sharded:
+            load_full_optimizer_state(self.part, optimizer, mine)
+        else:
+            optimizer.load_state_dict(mine)
 
     # ------------------------------------------------------------------------- training
 
@@ -364,7 +439,7 @@ class StageRunner(nn.Module):
         """The whole model's gradient norm (trainer.clip_grad_norm): the stages' squared norms summed
         over the pipeline (after average_grads, every replica's are the same)."""
         grads = [p.grad for p in params if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        local = self.local_norm(grads) if grads else torch.zeros((), device=self.device)
         squared = local.double().pow(2)
         dist.all_reduce(squared, group=self.pipe_group)
         return squared.sqrt().to(local.dtype)
@@ -489,6 +564,12 @@ class _Span:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _require_positive(settings: PipelineConfig) -> None:

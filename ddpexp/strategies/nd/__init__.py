@@ -36,16 +36,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ...config import StrategyConfig
-from ...errors import UserError
+from ...optim import OptimizerSpec
 from .. import Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Overlap, Workload
+from ..ddp_mp import boundary_bytes, group, model_stages
 from ..fsdp import (
     full_model_state,
     full_optimizer_state,
@@ -55,6 +56,7 @@ from ..fsdp import (
     no_grad_sync,
     units_and_ties,
 )
+from ..pipeline import Schedule, StageLayout, StageRunner, check_microbatches, check_stages
 from . import tensor_parallel
 from .degrees import Degrees, resolve
 
@@ -78,8 +80,12 @@ class NdConfig(StrategyConfig):
     pp: int = 1
     # With tp > 1: activations between blocks (and the norms) split along the sequence over the tp ranks.
     sequence_parallel: bool = False
-    # FSDP: free gathered parameters after each unit's forward (gathered again for backward).
+    # FSDP: free gathered parameters after each unit's forward (gathered again for backward). With
+    # pp > 1 parameters stay gathered until the step's last micro-batch's backward, whatever this says.
     reshard_after_forward: bool = True
+    # pp > 1: micro-batches each per-rank batch is cut into, and their schedule (gpipe | 1f1b).
+    microbatches: int = 4
+    schedule: Schedule = Schedule.gpipe
 
 
 @register
@@ -118,15 +124,13 @@ class Nd(Strategy[NdConfig]):
     def check(self, *, plan: Plan, host: HostFacts) -> None:
         degrees = self.degrees(plan.world_size)
         if degrees.pp > 1:
-            raise UserError(
-                "pipeline stages inside strategy=nd are not built yet",
-                setting="strategy.pp",
-                fix="set strategy.pp=1 (strategy=pipeline runs pipeline x data parallelism)",
-            )
+            check_microbatches(plan, self.settings.microbatches, self.settings.schedule, degrees.pp)
         if self.settings.sequence_parallel and degrees.tp == 1:
             log.warning("strategy.sequence_parallel=true with tp=1 splits nothing: it changes nothing")
 
     def check_model(self, model: nn.Module) -> None:
+        if self.settings.pp > 1:
+            check_stages(model, self.settings.pp, setting="strategy.pp")
         if self.settings.tp > 1:
             tensor_parallel.plan_of(
                 model, tp=self.settings.tp, sequence_parallel=self.settings.sequence_parallel
@@ -138,58 +142,104 @@ class Nd(Strategy[NdConfig]):
         from torch.distributed.device_mesh import init_device_mesh
 
         degrees = self.degrees(ctx.world_size)
-        mesh = init_device_mesh(
-            ctx.device.type, degrees.shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")
-        )
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=names)
         at = degrees.coordinates(ctx.rank)
-        model = model.to(ctx.device)
-        meter = CommMeter() if measure_comm else None
+        plan: dict[str, Any] = {}
         if degrees.tp > 1:
-            plan = tensor_parallel.plan_of(
-                model, tp=degrees.tp, sequence_parallel=self.settings.sequence_parallel
+            sp = self.settings.sequence_parallel
+            plan = tensor_parallel.plan_of(model, tp=degrees.tp, sequence_parallel=sp)
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
+        # With stages, FSDP keeps the gathered parameters for all micro-batches (torchtitan's default).
+        reshard = self.settings.reshard_after_forward and degrees.pp == 1
+
+        def parallelise(part: nn.Module) -> None:
+            """Tensor parallelism, then FSDP, on the modules of `part` (the whole model, or a stage)."""
+            inside = {id(m) for m in part.modules()}
+            if plan:
+                mine = {
+                    path: style for path, style in plan.items() if id(model.get_submodule(path)) in inside
+                }
+                tensor_parallel.apply(model, mesh["tp"], mine)
+            if degrees.dp > 1:
+                from torch.distributed.fsdp import fully_shard
+
+                for unit in units_and_ties(model)[0]:
+                    if id(unit) in inside:
+                        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard)
+                fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard)
+
+        meter = CommMeter() if measure_comm else None
+        stage: StageRunner | None = None
+        if degrees.pp > 1:
+            stride = degrees.world // degrees.pp  # the same place in the next stage's sub-mesh
+            layout = StageLayout(
+                stage=at["pp"],
+                stages=degrees.pp,
+                prev=ctx.rank - stride,
+                next=ctx.rank + stride,
+                pipe_group=mesh["pp"].get_group(),
+                owner=at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0,
             )
-            tensor_parallel.apply(model, mesh["tp"], plan)
+            s = self.settings
+            stage = StageRunner(
+                model, layout, s.microbatches, s.schedule, ctx=ctx, prepare=parallelise, local_norm=_norm
+            )
+            trained: nn.Module = stage
+        else:
+            model = model.to(ctx.device)
+            parallelise(model)
+            trained = model
         no_sync: Any = contextlib.nullcontext
         if degrees.dp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
-            units, _ = units_and_ties(model)
-            for unit in units:
-                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=self.settings.reshard_after_forward)
-            fully_shard(model, mesh=dp_mesh, reshard_after_forward=self.settings.reshard_after_forward)
-            fsdp: Any = model
+            fsdp: Any = trained if stage is None else stage.part
             no_sync = lambda: no_grad_sync(fsdp)  # noqa: E731
             if meter is not None:
-                meter = _fsdp_meter(model, hsdp=degrees.dp_replicate > 1)
-        runner = _Runner(model, scores=at["tp"] == 0, meter=meter if degrees.tp > 1 else None)
+                meter = _fsdp_meter(fsdp, hsdp=degrees.dp_replicate > 1)
+        scores = at["tp"] == 0 and (stage is None or stage.is_last)
+        runner = _Runner(trained, scores=scores, meter=meter, tp=degrees.tp > 1, stage=stage)
+        own_step = degrees.tp > 1 or stage is not None
         return Wrapped(
-            module=model,
+            module=trained,
             base=model,
             no_sync=no_sync,
             sync_grads=runner.sync_grads,
             eval_module=runner,
             comm=meter,
             collective_eval=True,
-            train_step=runner.train_step if degrees.tp > 1 else None,
-            grad_norm=_grad_norm,
+            train_step=runner.train_step if own_step else None,
+            grad_norm=_grad_norm if stage is None else stage.grad_norm,
+            extra_metrics=None if stage is None else stage.bubble_metrics,
         )
+
+    def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
+        return make(wrapped.module.parameters())  # a stage's: its part's only
 
     # ------------------------------------------------------------------------- checkpoints
 
     def model_state(self, wrapped: Wrapped) -> dict[str, torch.Tensor]:
+        if isinstance(wrapped.module, StageRunner):
+            return wrapped.module.model_state()
         return full_model_state(wrapped.base)
 
     def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
-        load_full_model_state(wrapped.base, state)
+        if isinstance(wrapped.module, StageRunner):
+            wrapped.module.load_model_state(state)
+        else:
+            load_full_model_state(wrapped.base, state)
 
     def optimizer_state(self, wrapped: Wrapped, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(wrapped.module, StageRunner):
+            return wrapped.module.optimizer_state(optimizer)
         return full_optimizer_state(wrapped.base, optimizer)
 
     def load_optimizer_state(
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        load_full_optimizer_state(wrapped.base, optimizer, state)
+        if isinstance(wrapped.module, StageRunner):
+            wrapped.module.load_optimizer_state(optimizer, state)
+        else:
+            load_full_optimizer_state(wrapped.base, optimizer, state)
 
     # ------------------------------------------------------------------------- cost model
 
@@ -199,74 +249,85 @@ class Nd(Strategy[NdConfig]):
         return 1.0 / (degrees.dp * degrees.tp * degrees.pp)
 
     def communication(self, *, job: Workload) -> list[Collective]:
-        """Tensor parallelism's collectives per micro-batch (tensor_parallel.communication, from the
-        model's plan and the shapes of a micro-batch's forward on the meta device), then FSDP's over
-        the data-parallel ranks as fsdp.communication counts them, each parameter as this rank holds
-        it after the tensor-parallel split: all-gathers of each unit's shard for the forward (and again
-        for the backward with reshard_after_forward), one reduce-scatter of its gradient per step, and
-        with dp_replicate > 1 one all-reduce of the reduced shard across the groups."""
+        """Per optimizer step: tensor parallelism's collectives (tensor_parallel.communication, from
+        the model's plan and the shapes of one micro-batch's forward on the meta device), FSDP's over
+        the data-parallel ranks, each parameter as a rank holds it after the tensor-parallel split
+        (fsdp's count: all-gathers of each unit's shard, again for the backward with
+        reshard_after_forward, one reduce-scatter of its gradient; HSDP's all-reduce of the reduced
+        shard across the groups), and with pp > 1 the activations between stages (pipeline's
+        count, not metered). With stages, each rank holds and sends for its own stage only: the
+        per-rank counts are averages over the stages (the meter averages over ranks), the
+        parameters stay gathered for all micro-batches, and FSDP reduces after each schedule step."""
         degrees = self.degrees(job.world)
+        pp, chunks = degrees.pp, self.settings.microbatches if degrees.pp > 1 else 1
+        passes = job.accumulate * chunks  # forward and backward passes per optimizer step
         out: list[Collective] = []
         plan: dict[str, Any] = {}
         if degrees.tp > 1:
             plan = tensor_parallel.plan_of(
                 job.model, tp=degrees.tp, sequence_parallel=self.settings.sequence_parallel
             )
-            micro = job.global_batch // job.accumulate // degrees.dp
             out += tensor_parallel.communication(
                 job.model,
                 plan,
                 tp=degrees.tp,
-                micro_batch=micro,
+                micro_batch=job.global_batch // passes // degrees.dp,
                 input_shape=job.input_shape or (),
                 input_dtype=job.input_dtype,
-                microbatches=job.accumulate,
+                microbatches=passes,
                 inter_node=job.spans_nodes(degrees.tp),
             )
         if degrees.dp > 1:
             out += self._data_parallel(
                 job, degrees, tensor_parallel.local_shapes(job.model, plan, degrees.tp)
             )
-        return out
+        if pp == 1:
+            return out
+        out = [replace(c, bytes=c.bytes / pp, calls=c.calls / pp, counted=c.counted / pp) for c in out]
+        parts = group(model_stages(job.model), pp)
+        sizes = boundary_bytes(parts, job, job.global_batch / passes / degrees.dp)
+        slots = 2 * (chunks + pp - 1) * job.accumulate
+        what = "activations and their gradients between stages, per micro-batch slot (not metered)"
+        sent = float(slots * max(sizes, default=0) / degrees.tp)  # each tp rank sends its counterpart's
+        return [*out, Collective(what, "sendrecv", sent, 2, slots, inter_node=job.nodes > 1)]
 
     def _data_parallel(
         self, job: Workload, degrees: Degrees, shapes: dict[int, tuple[int, ...]]
     ) -> list[Collective]:
-        group = degrees.dp_shard
+        ranks = degrees.dp_shard
         units, _ = units_and_ties(job.model)
         taken = {id(p) for u in units for p in u.parameters()}
         params = [list(u.parameters()) for u in units] + [
             [p for p in job.model.parameters() if id(p) not in taken]
         ]
-        shards = [_shard_bytes(ps, shapes, group) for ps in params]
-        shards = [b for b in shards if b]
+        shards = [b for b in (_shard_bytes(ps, shapes, ranks) for ps in params) if b]
         if not shards:
             return []
         calls, shard = len(shards), float(sum(shards))
+        # Per unit, all-gathers: one per micro-batch of the engine (with stages: per schedule step, for
+        # all its micro-batches); reduce-scatters: one per step (with stages: per schedule step).
+        staged = degrees.pp > 1
+        gathers = job.accumulate
+        reduces = job.accumulate if staged else 1
         spans = job.nodes > 1  # a data-parallel group's ranks lie tp x ... apart: across nodes if any
-        gather = Collective(
-            "parameter all-gather, forward",
-            "all_gather",
-            group * shard * job.accumulate,
-            group,
-            calls * job.accumulate,
-            Overlap.forward,
-            counted=shard * job.accumulate if group > 1 else 0.0,
-            inter_node=spans,
-        )
         out = []
-        if group > 1:
-            out.append(gather)
-            if self.settings.reshard_after_forward:
+        if ranks > 1:
+            again = self.settings.reshard_after_forward and not staged
+            passes = [("parameter all-gather, forward", Overlap.forward)] + (
+                [("parameter all-gather again for backward (reshard_after_forward)", Overlap.backward)]
+                if again
+                else []
+            )
+            for what, overlaps in passes:
                 out.append(
                     Collective(
-                        "parameter all-gather again for backward (reshard_after_forward)",
+                        what,
                         "all_gather",
-                        group * shard * job.accumulate,
-                        group,
-                        calls * job.accumulate,
-                        Overlap.backward,
-                        counted=shard * job.accumulate,
+                        ranks * shard * gathers,
+                        ranks,
+                        calls * gathers,
+                        overlaps,
+                        counted=shard * gathers,
                         inter_node=spans,
                     )
                 )
@@ -274,11 +335,11 @@ class Nd(Strategy[NdConfig]):
                 Collective(
                     "gradient reduce-scatter",
                     "reduce_scatter",
-                    group * shard,
-                    group,
-                    calls,
+                    ranks * shard * reduces,
+                    ranks,
+                    calls * reduces,
                     Overlap.backward,
-                    counted=group * shard,
+                    counted=ranks * shard * reduces,
                     inter_node=spans,
                 )
             )
@@ -287,11 +348,11 @@ class Nd(Strategy[NdConfig]):
                 Collective(
                     "each shard's gradient all-reduce across the replica groups (HSDP)",
                     "all_reduce",
-                    shard,
+                    shard * reduces,
                     degrees.dp_replicate,
-                    calls,
+                    calls * reduces,
                     Overlap.backward,
-                    counted=shard,
+                    counted=shard * reduces,
                     inter_node=spans,
                 )
             )
@@ -322,38 +383,71 @@ def _fsdp_meter(model: nn.Module, *, hsdp: bool) -> CommMeter:
 
 
 class _Runner(nn.Module):
-    """The model as the engine drives it under nd: its training step (with tensor parallelism, under
-    the collective counter), the gradients' last reduction, and the evaluation forward, scored on tp
-    rank 0 of each data shard only."""
+    """The model as the engine drives it under nd: its training step (under the collective counter,
+    with tensor parallelism; a stage's through the pipeline schedule), the gradients' last reduction,
+    and the evaluation forward, scored once per data shard (tp rank 0; of the last stage)."""
 
-    def __init__(self, model: nn.Module, *, scores: bool, meter: CommMeter | None) -> None:
+    def __init__(
+        self,
+        trained: nn.Module,
+        *,
+        scores: bool,
+        meter: CommMeter | None,
+        tp: bool,
+        stage: StageRunner | None,
+    ) -> None:
         super().__init__()
-        self.model = model
+        self.trained = trained
+        self.stage = stage
         self.scores = scores
-        self.counter = tensor_parallel.CollectiveCounter(meter) if meter is not None else None
+        self.meter = meter
+        self.counter = tensor_parallel.CollectiveCounter(meter) if meter is not None and tp else None
+        self.shapes_known = stage is None
 
     def _counting(self) -> contextlib.AbstractContextManager[Any]:
         return self.counter.mode if self.counter is not None else contextlib.nullcontext()
 
     def train_step(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> torch.Tensor | None:
-        device = next(iter(self.model.parameters())).device
+        if not self.shapes_known:
+            self._infer_shapes(inputs, targets, scale, loss)
         with self._counting():
-            outputs = self.model(inputs.to(device, non_blocking=True))
+            if self.stage is not None:
+                value = self.stage.train_step(inputs, targets, scale, loss)
+                return value if self.scores else None
+            device = next(iter(self.trained.parameters())).device
+            outputs = self.trained(inputs.to(device, non_blocking=True))
             value = loss(outputs, targets.to(outputs.device, non_blocking=True))
             (value * scale if scale != 1.0 else value).backward()
         return value.detach() if self.scores else None
+
+    def _infer_shapes(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> None:
+        """A pipeline schedule's first step first infers every stage's input and output shapes by
+        running the stages once more (on meta tensors, with FSDP gathering real parameters): traffic of
+        the run's start, not of a training step. So the first batch's step runs once unmetered and is
+        undone (gradients dropped, buffers restored), and the metered steps are all alike."""
+        assert self.stage is not None
+        part = self.stage.part
+        saved = [b.detach().clone() for b in part.buffers()]
+        with self.meter.paused() if self.meter is not None else contextlib.nullcontext():
+            self.stage.train_step(inputs, targets, scale, loss)
+        for p in part.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for buffer, value in zip(part.buffers(), saved, strict=True):
+                buffer.copy_(value)
+        self.shapes_known = True
 
     def sync_grads(self) -> None:
         """Gradients DTensor left as partial sums (a sequence-parallel norm's weight, computed from each
         rank's part of the sequence) are summed now, once, as the parameter's own layout."""
         with self._counting():
-            for p in self.model.parameters():
+            for p in self.trained.parameters():
                 grad = p.grad
                 if grad is not None and _partial(grad):
                     p.grad = grad.redistribute(grad.device_mesh, p.placements)  # type: ignore[attr-defined]
 
     def forward(self, inputs: Any) -> torch.Tensor | None:
-        outputs: torch.Tensor = self.model(inputs)
+        outputs: torch.Tensor | None = self.trained(inputs)
         return outputs if self.scores else None
 
 
@@ -364,16 +458,18 @@ def _partial(t: torch.Tensor) -> bool:
 
 
 def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The whole gradient's norm where gradients are DTensors on different meshes (tensor-parallel
-    ones on dp x tp, the rest on dp): each tensor's norm made whole (a reduction over its mesh), then
-    combined here."""
+    return _norm([p.grad for p in params if p.grad is not None])
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of these gradients together where they are DTensors on different meshes
+    (tensor-parallel ones on dp x tp, the rest on dp): each tensor's norm made whole (a reduction
+    over its mesh), then combined here."""
     from torch.distributed.tensor import DTensor
 
     total: torch.Tensor | None = None
-    for p in params:
-        if p.grad is None:
-            continue
-        norm = torch.linalg.vector_norm(p.grad)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         square = norm.double().pow(2)
