@@ -27,15 +27,30 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
     meter.record(99.0, 100.0, 1)  # after a step's end (e.g. a mid-epoch eval): counted, not timed
     busy, nbytes = meter.take()
     assert busy == pytest.approx(2 * 1.5 * 6 / 2)  # two timed steps of 1.5 s busy, scaled to six
-    assert nbytes == {"gradients": 601, "parameters": 0, "sync_bn": 48, "buffers": 0}
-    assert meter.take() == (0.0, {"gradients": 0, "parameters": 0, "sync_bn": 0, "buffers": 0})
+    assert nbytes == {"gradients": 601, "parameters": 0, "sync_bn": 48, "buffers": 0, "tensor_parallel": 0}
+    assert meter.take() == (0.0, dict.fromkeys(nbytes, 0))
 
 
 def test_a_meter_no_engine_steps_times_everything():
     meter = CommMeter()
     meter.record(0.0, 2.0, 4)
     meter.record(1.0, 3.0, 4)
-    assert meter.take() == (3.0, {"gradients": 8, "parameters": 0, "sync_bn": 0, "buffers": 0})
+    zero = {"parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0}
+    assert meter.take() == (3.0, {"gradients": 8, **zero})
+
+
+def test_a_paused_meter_counts_and_times_nothing():
+    """What runs inside `paused()` (a pipeline's one-off inference of its stages' shapes) is not a
+    training step's communication."""
+    meter = CommMeter()
+    with meter.paused():
+        meter.record(0.0, 2.0, 4)
+        meter.record_unsampled(0.0, 2.0, 4)
+    meter.record(5.0, 6.0, 1)
+    assert meter.take() == (
+        1.0,
+        {"gradients": 1, "parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0},
+    )
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -90,6 +90,23 @@ def test_the_bytes_each_mesh_sends_are_the_bytes_its_cost_model_declares(nd_runs
         assert "comm/bytes_per_step/tensor_parallel" not in final
 
 
+@pytest.mark.parametrize("name", list(MESHES))
+def test_each_rank_holds_its_part_of_the_parameters_gradients_and_optimizer_state(
+    nd_runs: dict[str, Path], name: str
+):
+    """mem/* per rank, counted from the tensors (a DTensor's local part): the gradients and the
+    momentum buffers are the size of the rank's parameters (each gradient cut to its parameter's split
+    before the optimizer), and the ranks' parameters add up to one model per dp_replicate group:
+    sharding, tensor parallelism and stages each hold a part once (within FSDP's padding)."""
+    ranks = metrics(nd_runs[name])["memory_per_rank"]
+    whole = metrics(nd_runs["single"])["memory_per_rank"][0]["mem/params_mb"]
+    for rank in ranks:
+        assert rank["mem/grads_mb"] == pytest.approx(rank["mem/params_mb"]), rank
+        assert rank["mem/optim_state_mb"] == pytest.approx(rank["mem/params_mb"]), rank
+    replicas = 2 if "dp_replicate 2" in name else 1
+    assert sum(r["mem/params_mb"] for r in ranks) == pytest.approx(replicas * whole, rel=0.02), name
+
+
 def test_sequence_parallelism_moves_other_collectives_than_plain_tensor_parallelism(nd_runs: dict[str, Path]):
     """The same parameters, but its reduce-scatters and all-gathers are not plain tp's all-reduces:
     the byte counts differ (and each matches its own declaration, above)."""

@@ -438,23 +438,21 @@ class _Runner(nn.Module):
         self.shapes_known = True
 
     def sync_grads(self) -> None:
-        """Gradients DTensor left as partial sums (a sequence-parallel norm's weight, computed from each
-        rank's part of the sequence) are summed now, once, as the parameter's own layout."""
+        """Every gradient in its parameter's layout before the optimizer runs: DTensor leaves some as
+        partial sums (a sequence-parallel norm's weight, from each rank's part of the sequence),
+        summed here once, and some whole where the parameter is split (a row-wise embedding's), cut
+        here to this rank's part (no communication) rather than at each of the optimizer's ops."""
+        from torch.distributed.tensor import DTensor
+
         with self._counting():
             for p in self.trained.parameters():
                 grad = p.grad
-                if grad is not None and _partial(grad):
-                    p.grad = grad.redistribute(grad.device_mesh, p.placements)  # type: ignore[attr-defined]
+                if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
+                    p.grad = grad.redistribute(grad.device_mesh, p.placements)
 
     def forward(self, inputs: Any) -> torch.Tensor | None:
         outputs: torch.Tensor | None = self.trained(inputs)
         return outputs if self.scores else None
-
-
-def _partial(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor, Partial
-
-    return isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements)
 
 
 def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
