@@ -57,6 +57,21 @@ def wait_for_futex(pid: int) -> None:
         time.sleep(0.01)
 
 
+def wait_until_taken(pid: int, signum: int) -> None:
+    """Until the watching thread has taken the signal (no longer pending for the process): taken
+    later, after the process changed its disposition, it is handled under the new one (see
+    launch/senders.py)."""
+    bit = 1 << (signum - 1)
+    deadline = time.monotonic() + 60
+    while True:
+        status = Path(f"/proc/{pid}/status").read_text()
+        pending = int(next(line for line in status.splitlines() if line.startswith("ShdPnd:")).split()[1], 16)
+        if not pending & bit:
+            return
+        assert time.monotonic() < deadline, "the signal was never taken"
+        time.sleep(0.01)
+
+
 def test_a_watched_signal_is_handled_as_delivered_and_its_sender_known():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
@@ -77,6 +92,7 @@ def test_a_watched_signal_is_handled_as_delivered_and_its_sender_known():
         assert line() == f"child {signal.SIGTERM}\n"  # killed by it: wait status 15
         assert line() == "ignoring\n"
         proc.send_signal(signal.SIGTERM)  # dropped: the process goes on to the next line
+        wait_until_taken(proc.pid, signal.SIGTERM)  # handled under SIG_IGN, not the next disposition
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert line() == "default\n"

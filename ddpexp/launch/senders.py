@@ -7,6 +7,10 @@ run as a delivery would (`_thread.interrupt_main`), or the default action happen
 cuts short what the main thread waits in (a sleep, a lock, a socket): WAKE, sent to the main thread
 alone, does that part.
 
+One difference from a delivery: a watched signal is pending until the thread takes it, and is handled
+under the disposition of that moment, so one sent while the process ignores it but taken after the
+process set a handler (a loaded host can delay the thread) runs that handler instead of being dropped.
+
 The signal disposition is the process's, so what was watched is too: `watch` once, as the process
 starts and before any other thread exists (threads inherit the blocked mask; a thread started earlier
 could still take a signal, which then only loses its sender). Children are given the mask back.
