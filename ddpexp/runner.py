@@ -26,7 +26,14 @@ from . import composition, fsutil, host, remote
 from .errors import NothingToDo, UserError
 from .job import Job, Outcome
 from .launch import warmup
-from .launch.supervise import STOP_SIGNALS, error_summary, read_error
+from .launch.supervise import (
+    STOP_SIGNALS,
+    Interrupted,
+    error_summary,
+    read_error,
+    signals_ignored,
+    stops_raise,
+)
 from .plan import ExternalWorld
 from .recorder import finish_metrics, settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none
@@ -106,6 +113,7 @@ def run_jobs(
         with (
             _logging_restored(),
             initialize_config_dir(config_dir=conf, version_base="1.3", job_name="ddpexp"),
+            stops_raise(),
         ):
             hydra = GlobalHydra.instance().hydra
             assert hydra is not None
@@ -119,6 +127,8 @@ def run_jobs(
                         raise SystemExit(130) from None
             else:
                 hydra.run(config_name=config_name, task_function=task, overrides=overrides)
+    except Interrupted as exc:  # between jobs, or in one before its launcher took the signals over
+        raise SystemExit(exc.code) from None
     finally:
         GlobalHydra.instance().clear()
     if multirun and not outcomes and sweep_dir is not None:  # the jobs ran elsewhere (submitit, Slurm)
@@ -193,6 +203,7 @@ def run_job(
         on_signal = external is None and any(k in os.environ for k in SCHEDULER_ENV)
     given = copy.deepcopy(cfg)  # as Hydra composed it, for its record
     claim = None
+    saved: Job | None = None  # the job, once its directory holds its config
     try:
         if sweep:  # another run may have taken this directory since the sweep began
             claim = claim_output(run_dir, setting="hydra.sweep.dir")
@@ -218,6 +229,7 @@ def run_job(
         record = hydra_record(given, run_dir, hydra_subdir) if hydra_subdir is not None else {}
         with _disk_full_stops_the_command():  # a resumed run's files stay as they were, all of them
             job.save(with_files=record)
+        saved = job
         requeue = _submitit_requeue() if on_signal else None
         code = launch.run(job)
         if code != 0 and external is None:
@@ -231,12 +243,17 @@ def run_job(
         if external is not None:
             torchrun.publish_error(exc)
         return Outcome(run_dir=run_dir, exit_code=UserError.exit_code, error=str(exc))
+    except Interrupted as exc:  # a stop signal before the job's launcher took them over (stops_raise)
+        if saved is not None:  # perhaps launched too: its record says how it ended
+            with signals_ignored():
+                record_failure(saved, exc.code, why=str(exc))
+        return Outcome(run_dir=run_dir, exit_code=exc.code)
     finally:
         if claim is not None:
             claim.release()
 
 
-def record_failure(job: Job, code: int) -> None:
+def record_failure(job: Job, code: int, *, why: str | None = None) -> None:
     """A run that ended before rank 0's recorder opened (its data failed to download or load, its model
     to build) left no metrics.json: write one that says how it ended, with the error its rank 0 left,
     so that every launched run's directory holds a record for the report and the API."""
@@ -244,7 +261,8 @@ def record_failure(job: Job, code: int) -> None:
         return
     error = read_error(job.run_dir, 0)
     status = "interrupted" if code in STOP_CODES else "failed"
-    why = error_summary(error) if error is not None else f"exit code {code}"
+    if why is None:
+        why = error_summary(error) if error is not None else f"exit code {code}"
     finish_metrics(job.run_dir, status, why, facts=job.summary())
 
 

@@ -385,6 +385,40 @@ def test_a_ctrl_c_while_the_command_imports_is_one_line_and_exit_130(tmp_path: P
     assert not (tmp_path / "run").exists()
 
 
+# Loaded as a Hydra callback (PYTHONPATH): SIGTERM to the sweep from inside Hydra, between its jobs.
+_SIGTERM_BETWEEN_JOBS = """
+import os, signal
+from hydra.experimental.callback import Callback
+class SigtermAt(Callback):
+    def __init__(self, event, job):
+        self.event, self.job = event, job
+    def _trip(self, event, config):
+        if event == self.event and config.hydra.job.num == self.job:
+            os.kill(os.getpid(), signal.SIGTERM)
+    def on_job_start(self, config, **kwargs):
+        self._trip("start", config)
+    def on_job_end(self, config, job_return, **kwargs):
+        self._trip("end", config)
+"""
+
+
+@pytest.mark.parametrize("event", ["end", "start"])  # job 1 has ended; job 1 is about to start
+def test_sigterm_between_a_sweeps_jobs_stops_it_with_143(tmp_path: Path, event: str):
+    """A SIGTERM that reaches a sweep while Hydra goes from one job to the next, where no job's handler
+    is installed, stops the sweep as one inside a job does: exit 143, no job after it, every job
+    started recorded. Seen before: the default action killed the sweep (exit -15)."""
+    (tmp_path / "trip.py").write_text(_SIGTERM_BETWEEN_JOBS)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    cmd = [sys.executable, "-m", "ddpexp", "-m", "seed=range(0,4)", *QUICK, "trainer.max_steps=2"]
+    trip = ["+hydra.callbacks.trip._target_=trip.SigtermAt", f"+hydra.callbacks.trip.event={event}"]
+    cmd += [*trip, "+hydra.callbacks.trip.job=1", "hydra.sweep.dir=sweep"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 143, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    statuses = [metrics(d)["status"] for d in sorted(run_dirs(tmp_path / "sweep"))]
+    assert statuses == (["completed", "completed"] if event == "end" else ["completed"]), statuses
+
+
 def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):
     """A sweep whose stdout was closed (its terminal or pipe gone) cannot print a job's run dir: that
     must not turn SIGTERM into "stop this job, go on with the next" (an orphaned sweep ran on so)."""

@@ -1,12 +1,18 @@
-"""The launcher's hang detection as pure logic: which rank is hung, and when (no processes needed)."""
+"""The launcher's hang detection as pure logic: which rank is hung, and when (no processes needed); and
+how a stop signal reaches the code it interrupts."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import signal
 from pathlib import Path
 
+import pytest
+
 from ddpexp.heartbeat import BEATS, SIZE, SLOW, Heartbeat, Pulse
-from ddpexp.launch.supervise import Supervisor, Watch, Worker
+from ddpexp.launch.supervise import Interrupted, Supervisor, Watch, Worker, sigterm_raises
 
 
 class _Running:
@@ -150,3 +156,23 @@ def test_a_second_sigterm_inside_the_first_s_handler_cannot_give_ranks_different
     sup._on_signal(signal.SIGTERM, None)
     assert cells[0][STOP] == cells[1][STOP] > 34
     assert capsys.readouterr().err.count("every rank saves a checkpoint") == 1
+
+
+def test_a_sigterm_while_a_log_line_is_written_stops_the_run():
+    """SIGTERM landing while a log record is written (a closed terminal makes every write fail and
+    print a long error: a wide window) must stop the run: `logging` swallows an Exception raised
+    inside a handler, and an orphaned sweep went on to its next job so."""
+
+    class Stream(io.StringIO):
+        def write(self, text: str) -> int:
+            signal.raise_signal(signal.SIGTERM)  # its handler runs before this call returns
+            return super().write(text)
+
+    log = logging.getLogger("test_supervise.sigterm")
+    log.propagate = False
+    log.addHandler(logging.StreamHandler(Stream()))
+    try:
+        with pytest.raises(Interrupted), sigterm_raises():
+            log.warning("a line")
+    finally:
+        log.handlers.clear()

@@ -46,8 +46,10 @@ STACK_WAIT_S = 1.0
 SIGNAL_EXITS = {128 + signal.SIGTERM: signal.SIGTERM, 128 + signal.SIGINT: signal.SIGINT}
 
 
-class Interrupted(Exception):
-    """Raised in the main thread when the process is asked to stop (SIGTERM)."""
+class Interrupted(BaseException):
+    """Raised in the main thread when the process is asked to stop (SIGTERM). A BaseException, as
+    KeyboardInterrupt is: code that handles any Exception (a log handler, a loader's "damaged file")
+    must not take a stop for its own failure and carry on."""
 
     interrupted = True
 
@@ -75,6 +77,19 @@ def sigterm_raises(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Iterator[Non
     run unwinds through its `finally` blocks and records itself as interrupted; the previous handlers
     come back afterwards."""
     with handling(signals, _raise_interrupted):
+        yield
+
+
+@contextlib.contextmanager
+def stops_raise() -> Iterator[None]:
+    """A command's handlers between and around its jobs: every STOP_SIGNALS but SIGINT (which raises
+    KeyboardInterrupt already) raises `Interrupted`, where the default action would kill the command
+    mid-way (Hydra going from one job to the next, a job not yet launched). A job's launcher installs
+    its own for the job's length. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with sigterm_raises(STOP_SIGNALS[1:]):
         yield
 
 
