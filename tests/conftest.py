@@ -43,6 +43,7 @@ PARITY_STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
 # ones fill in at the end. xdist's own order (most tests first) started test_bench (3 tests, 150 s on
 # a slower VM) last, on one worker alone.
 FILE_SECONDS = {
+    "test_nd": 240,  # with test_fsdp, test_pipeline, test_compare beside it (-n 2), 2026-11-26, load 2
     "test_gpt_parity": 182,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by others (load 6)
     "test_docs": 122,  # measured alone (-p no:xdist) on 2026-11-25, the VM loaded by other runs (load 5)
     "test_faults": 108,

@@ -151,55 +151,21 @@ class Fsdp(Strategy[FsdpConfig]):
         """Per optimizer step, for every shard unit (the model's blocks, then the root with the rest):
         one all-gather of its parameters for each micro-batch's forward, again for the backward with
         reshard_after_forward (the root's too: ddpexp sets the flag explicitly, so torch's exception for
-        the root does not apply), and one reduce-scatter of its gradient on the last micro-batch.
-        Counted as `metered_collectives` counts them: an all-gather by the rank's shard, a
-        reduce-scatter by the unit's whole padded gradient. FSDP2 shards every parameter on dim 0 in
-        ceil(d0/W) rows, padding the last ranks' chunks, so a shard is ceil(d0/W) x the other dims, the
-        gradient W x that; with mixed_precision both travel in 2-byte elements. Forward all-gathers are
-        prefetched behind the previous unit's forward, backward ones and the reduce-scatters behind
-        the backward pass."""
-        world, spans = job.world, job.spans_nodes(job.world)
-        shards = [
-            _shard_bytes(params, world, self.settings.mixed_precision) for params in _unit_params(job.model)
-        ]
-        shards = [b for b in shards if b]  # a unit without parameters has no collectives
-        if not shards or world < 2:
+        the root does not apply), and one reduce-scatter of its gradient on the last micro-batch
+        (sharded_traffic); with mixed_precision both travel in 2-byte elements."""
+        world = job.world
+        if world < 2:
             return []
-        calls, shard = len(shards), float(sum(shards))
-        gathers = job.accumulate * calls
-
-        def all_gather(what: str, overlaps: Overlap) -> Collective:
-            return Collective(
-                what,
-                "all_gather",
-                world * shard * job.accumulate,
-                world,
-                gathers,
-                overlaps,
-                counted=shard * job.accumulate,
-                inter_node=spans,
-            )
-
-        out = [
-            all_gather("parameter all-gather, forward", Overlap.forward),
-            Collective(
-                "gradient reduce-scatter",
-                "reduce_scatter",
-                world * shard,
-                world,
-                calls,
-                Overlap.backward,
-                counted=world * shard,
-                inter_node=spans,
-            ),
-        ]
-        if self.settings.reshard_after_forward:
-            out.insert(
-                1,
-                all_gather(
-                    "parameter all-gather again for backward (reshard_after_forward)", Overlap.backward
-                ),
-            )
+        element = 2 if self.settings.mixed_precision is not None else None
+        out = sharded_traffic(
+            unit_params(job.model),
+            world,
+            gathers=job.accumulate,
+            reduces=1,
+            again=self.settings.reshard_after_forward,
+            inter_node=job.spans_nodes(world),
+            element_size=element,
+        )
         return out + (syncbn.communication(job.model, job) if self.settings.sync_bn else [])
 
     # ------------------------------------------------------------------------- checkpoints
@@ -261,7 +227,7 @@ def load_full_optimizer_state(
     )
 
 
-def _unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
+def unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
     """The parameters each fully_shard call in `wrap` takes: every shard unit's, then the root's (the
     rest)."""
     units = [list(unit.parameters()) for unit in shard_units(model)]
@@ -269,13 +235,74 @@ def _unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
     return [*units, [p for p in model.parameters() if id(p) not in taken]]
 
 
-def _shard_bytes(params: list[nn.Parameter], world: int, mixed: MixedPrecision | None) -> int:
-    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk)."""
+def sharded_traffic(
+    units: list[list[nn.Parameter]],
+    ranks: int,
+    *,
+    gathers: int,
+    reduces: int,
+    again: bool,
+    inter_node: bool,
+    element_size: int | None = None,
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> list[Collective]:
+    """FSDP's collectives over `ranks` per optimizer step, each unit's (a list of parameters, one
+    fully_shard call) counted as `metered_collectives` counts them: `gathers` all-gathers of the rank's
+    shard for the forward, as many again for the backward when `again` (reshard_after_forward), and
+    `reduces` reduce-scatters of the unit's whole padded gradient. FSDP2 shards every parameter on dim
+    0 in ceil(d0/W) rows, padding the last ranks' chunks, so a shard is ceil(d0/W) x the other dims,
+    the gradient W x that. `element_size`: bytes an element travels in (mixed precision), else the
+    parameter's; `shapes`: a parameter's shape as this rank holds it, where not its own (a
+    tensor-parallel split). Forward all-gathers are prefetched behind the previous unit's forward,
+    backward ones and the reduce-scatters behind the backward pass."""
+    sizes = (shard_bytes(ps, ranks, element_size=element_size, shapes=shapes) for ps in units)
+    shards = [b for b in sizes if b]
+    if not shards or ranks < 2:  # a unit without parameters has no collectives
+        return []
+    calls, shard = len(shards), float(sum(shards))
+
+    def all_gather(what: str, overlaps: Overlap) -> Collective:
+        return Collective(
+            what,
+            "all_gather",
+            ranks * shard * gathers,
+            ranks,
+            calls * gathers,
+            overlaps,
+            counted=shard * gathers,
+            inter_node=inter_node,
+        )
+
+    backward = "parameter all-gather again for backward (reshard_after_forward)"
+    return [
+        all_gather("parameter all-gather, forward", Overlap.forward),
+        *([all_gather(backward, Overlap.backward)] if again else []),
+        Collective(
+            "gradient reduce-scatter",
+            "reduce_scatter",
+            ranks * shard * reduces,
+            ranks,
+            calls * reduces,
+            Overlap.backward,
+            counted=ranks * shard * reduces,
+            inter_node=inter_node,
+        ),
+    ]
+
+
+def shard_bytes(
+    params: list[nn.Parameter],
+    world: int,
+    *,
+    element_size: int | None = None,
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> int:
+    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk);
+    `element_size`, `shapes` as for sharded_traffic."""
     total = 0
     for p in params:
-        shape = tuple(p.shape) or (1,)
-        size = 2 if mixed is not None else p.element_size()
-        total += math.ceil(shape[0] / world) * math.prod(shape[1:]) * size
+        shape = (shapes or {}).get(id(p), tuple(p.shape)) or (1,)
+        total += math.ceil(shape[0] / world) * math.prod(shape[1:]) * (element_size or p.element_size())
     return total
 
 

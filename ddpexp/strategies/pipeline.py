@@ -110,7 +110,7 @@ class Pipeline(Strategy[PipelineConfig]):
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         s = self.settings
         runner = StageRunner(model, layout_of(s, ctx.rank), s.microbatches, s.schedule, ctx=ctx)
-        meter = CommMeter() if measure_comm and runner.dp_group is not None else None
+        meter = CommMeter() if measure_comm and runner.layout.dp_group is not None else None
         return Wrapped(
             module=runner,
             base=model,
@@ -296,8 +296,6 @@ class StageRunner(nn.Module):
         self.stage, self.stages, self.microbatches = layout.stage, layout.stages, microbatches
         self.device = ctx.device
         self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
-        self.prev, self.next = layout.prev, layout.next
-        self.pipe_group, self.dp_group, self.dp_root = layout.pipe_group, layout.dp_group, layout.dp_root
         self.local_norm = local_norm or torch.nn.utils.get_total_norm
 
         parts = group(model_stages(model), self.stages)
@@ -318,7 +316,7 @@ class StageRunner(nn.Module):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         stage = timed_stage_class()(
-            self.part, self.stage, self.stages, self.device, group=self.pipe_group, timer=self.timer
+            self.part, self.stage, self.stages, self.device, group=self.layout.pipe_group, timer=self.timer
         )
         kind = ScheduleGPipe if schedule == Schedule("gpipe") else Schedule1F1B
         # scale_grads=False: scaling is in the loss (see the module docstring).
@@ -417,7 +415,7 @@ class StageRunner(nn.Module):
     def average_grads(self, meter: CommMeter | None) -> None:
         """With replicas: average this stage's gradients over its data-parallel group, once per
         optimizer step (after every backward of the step, accumulated ones included)."""
-        if self.dp_group is None:
+        if self.layout.dp_group is None:
             return
         params = [p for p in self.part.parameters() if p.requires_grad]
         for p in params:
@@ -426,12 +424,12 @@ class StageRunner(nn.Module):
         grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         start = time.perf_counter()
-        dist.all_reduce(flat, group=self.dp_group)
+        dist.all_reduce(flat, group=self.layout.dp_group)
         if meter is not None:
             if flat.is_cuda and meter.timing:
                 torch.cuda.synchronize(flat.device)
             meter.record(start, time.perf_counter(), flat.numel() * flat.element_size())
-        flat.div_(dist.get_world_size(self.dp_group))
+        flat.div_(dist.get_world_size(self.layout.dp_group))
         for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(part.view_as(grad))
 
@@ -441,7 +439,7 @@ class StageRunner(nn.Module):
         grads = [p.grad for p in params if p.grad is not None]
         local = self.local_norm(grads) if grads else torch.zeros((), device=self.device)
         squared = local.double().pow(2)
-        dist.all_reduce(squared, group=self.pipe_group)
+        dist.all_reduce(squared, group=self.layout.pipe_group)
         return squared.sqrt().to(local.dtype)
 
     def sync_buffers(self) -> None:
@@ -449,11 +447,11 @@ class StageRunner(nn.Module):
         self._broadcast_from_replica0(list(self.part.buffers()))
 
     def _broadcast_from_replica0(self, tensors: list[torch.Tensor]) -> None:
-        if self.dp_group is None or not tensors:
+        if self.layout.dp_group is None or not tensors:
             return
         with torch.no_grad():
             for t in tensors:
-                dist.broadcast(t, src=self.dp_root, group=self.dp_group)
+                dist.broadcast(t, src=self.layout.dp_root, group=self.layout.dp_group)
 
     def bubble_metrics(self) -> dict[str, float]:
         """The epoch's measured bubble, averaged over the ranks that timed a step, and the textbook one."""
@@ -473,11 +471,15 @@ class StageRunner(nn.Module):
     def forward(self, inputs: Any) -> torch.Tensor | None:
         """One eval batch through the pipeline: receive the previous stage's activations (the first
         stage: the batch), run this part, send the result on; only the last stage returns it."""
-        x = inputs.to(self.device, non_blocking=True) if self.is_first else _recv(self.prev, self.device)
+        x = (
+            inputs.to(self.device, non_blocking=True)
+            if self.is_first
+            else _recv(self.layout.prev, self.device)
+        )
         out: torch.Tensor = self.part(x)
         if self.is_last:
             return out
-        _send(out, self.next)
+        _send(out, self.layout.next)
         return None
 
 

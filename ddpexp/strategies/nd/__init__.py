@@ -54,6 +54,9 @@ from ..fsdp import (
     load_full_optimizer_state,
     metered_collectives,
     no_grad_sync,
+    shard_bytes,
+    sharded_traffic,
+    unit_params,
     units_and_ties,
 )
 from ..pipeline import Schedule, StageLayout, StageRunner, check_microbatches, check_stages
@@ -294,79 +297,39 @@ class Nd(Strategy[NdConfig]):
     def _data_parallel(
         self, job: Workload, degrees: Degrees, shapes: dict[int, tuple[int, ...]]
     ) -> list[Collective]:
-        ranks = degrees.dp_shard
-        units, _ = units_and_ties(job.model)
-        taken = {id(p) for u in units for p in u.parameters()}
-        params = [list(u.parameters()) for u in units] + [
-            [p for p in job.model.parameters() if id(p) not in taken]
-        ]
-        shards = [b for b in (_shard_bytes(ps, shapes, ranks) for ps in params) if b]
-        if not shards:
-            return []
-        calls, shard = len(shards), float(sum(shards))
-        # Per unit, all-gathers: one per micro-batch of the engine (with stages: per schedule step, for
-        # all its micro-batches); reduce-scatters: one per step (with stages: per schedule step).
+        """FSDP's traffic over dp_shard (fsdp.sharded_traffic, each parameter as this rank holds it
+        after the tensor-parallel split) and with HSDP each reduced shard's all-reduce across the
+        replica groups. Per unit, all-gathers: one per micro-batch of the engine (with stages: per
+        schedule step, for all its micro-batches); reduce-scatters: one per step (with stages: per
+        schedule step)."""
         staged = degrees.pp > 1
-        gathers = job.accumulate
         reduces = job.accumulate if staged else 1
         spans = job.nodes > 1  # a data-parallel group's ranks lie tp x ... apart: across nodes if any
-        out = []
-        if ranks > 1:
-            again = self.settings.reshard_after_forward and not staged
-            passes = [("parameter all-gather, forward", Overlap.forward)] + (
-                [("parameter all-gather again for backward (reshard_after_forward)", Overlap.backward)]
-                if again
-                else []
-            )
-            for what, overlaps in passes:
-                out.append(
-                    Collective(
-                        what,
-                        "all_gather",
-                        ranks * shard * gathers,
-                        ranks,
-                        calls * gathers,
-                        overlaps,
-                        counted=shard * gathers,
-                        inter_node=spans,
-                    )
-                )
-            out.append(
-                Collective(
-                    "gradient reduce-scatter",
-                    "reduce_scatter",
-                    ranks * shard * reduces,
-                    ranks,
-                    calls * reduces,
-                    Overlap.backward,
-                    counted=ranks * shard * reduces,
-                    inter_node=spans,
-                )
-            )
+        units = unit_params(job.model)
+        out = sharded_traffic(
+            units,
+            degrees.dp_shard,
+            gathers=job.accumulate,
+            reduces=reduces,
+            again=self.settings.reshard_after_forward and not staged,
+            inter_node=spans,
+            shapes=shapes,
+        )
         if degrees.dp_replicate > 1:
+            shards = [b for b in (shard_bytes(ps, degrees.dp_shard, shapes=shapes) for ps in units) if b]
             out.append(
                 Collective(
                     "each shard's gradient all-reduce across the replica groups (HSDP)",
                     "all_reduce",
-                    shard * reduces,
+                    float(sum(shards)) * reduces,
                     degrees.dp_replicate,
-                    calls * reduces,
+                    len(shards) * reduces,
                     Overlap.backward,
-                    counted=shard * reduces,
+                    counted=float(sum(shards)) * reduces,
                     inter_node=spans,
                 )
             )
         return out
-
-
-def _shard_bytes(params: list[nn.Parameter], shapes: dict[int, tuple[int, ...]], world: int) -> int:
-    """Bytes of one rank's FSDP shard of these parameters, each of the shape this rank holds after the
-    tensor-parallel split: ceil(d0/W) rows of it (FSDP2's padded chunk)."""
-    total = 0
-    for p in params:
-        shape = shapes.get(id(p), tuple(p.shape)) or (1,)
-        total += math.ceil(shape[0] / world) * math.prod(shape[1:]) * p.element_size()
-    return total
 
 
 def _fsdp_meter(model: nn.Module, *, hsdp: bool) -> CommMeter:

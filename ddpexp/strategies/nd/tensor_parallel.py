@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -36,7 +36,17 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 KIND = "tensor_parallel"
-NORM_GRADIENTS = "sequence-parallel norms' weight gradient all-reduce, once per step"
+
+
+class _Traffic(NamedTuple):
+    """One collective of a ParallelStyle: what it moves, the op, its full (unsplit) bytes, what it
+    overlaps; `once`: sent once per optimizer step (after the last pass), not once per pass."""
+
+    what: str
+    op: str
+    full: float
+    overlaps: Overlap = Overlap.none
+    once: bool = False
 
 
 def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool) -> dict[str, Any]:
@@ -160,11 +170,11 @@ def communication(
         inputs, output = shapes[path]
         given = _arrives_as_dtensor(plan, path)
         module = model.get_submodule(path)
-        for what, op, full, overlaps in _style_traffic(style, inputs, output, module, given):
-            entry = totals.setdefault((what, op, overlaps), [0.0, 0.0, 0.0])
-            counted = full / tp if op == "all_gather" else full  # commbench sizes it by its output
-            times = 1 if what == NORM_GRADIENTS else microbatches  # reduced once, after the step's last
-            entry[0] += full * times
+        for t in _style_traffic(style, inputs, output, module, given):
+            entry = totals.setdefault((t.what, t.op, t.overlaps), [0.0, 0.0, 0.0])
+            counted = t.full / tp if t.op == "all_gather" else t.full  # commbench sizes it by its output
+            times = 1 if t.once else microbatches
+            entry[0] += t.full * times
             entry[1] += counted * times
             entry[2] += times
     return [
@@ -237,9 +247,9 @@ def _arrives_as_dtensor(plan: dict[str, Any], path: str) -> bool:
 
 def _style_traffic(
     style: Any, inputs: list[int], output: int, module: nn.Module, arrives_as_dtensor: bool
-) -> list[tuple[str, str, float, Overlap]]:
-    """(what, op, full bytes, overlap) of one ParallelStyle on a module whose tensor inputs and output
-    are these sizes (whole, unsplit tensors)."""
+) -> list[_Traffic]:
+    """The collectives of one ParallelStyle on a module whose tensor inputs and output are these sizes
+    (whole, unsplit tensors)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -248,7 +258,7 @@ def _style_traffic(
         SequenceParallel,
     )
 
-    out: list[tuple[str, str, float, Overlap]] = []
+    out: list[_Traffic] = []
     if isinstance(style, ColwiseParallel | PrepareModuleInput):
         layouts = zip(style.input_layouts or (), style.desired_input_layouts or (), inputs, strict=False)
         for given, want, size in layouts:
@@ -256,36 +266,27 @@ def _style_traffic(
                 continue
             if isinstance(given, Shard) and isinstance(want, Replicate):
                 out += [
-                    ("input all-gather (sequence parallel), forward", "all_gather", size, Overlap.none),
-                    (
-                        "input gradient reduce-scatter (sequence parallel)",
-                        "reduce_scatter",
-                        size,
-                        Overlap.none,
-                    ),
+                    _Traffic("input all-gather (sequence parallel), forward", "all_gather", size),
+                    _Traffic("input gradient reduce-scatter (sequence parallel)", "reduce_scatter", size),
                 ]
             elif isinstance(style, ColwiseParallel) and _input_has_grad(module) and not arrives_as_dtensor:
-                out.append(("input gradient all-reduce (column-wise)", "all_reduce", size, Overlap.none))
+                out.append(_Traffic("input gradient all-reduce (column-wise)", "all_reduce", size))
     if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Replicate):
-        out.append(("output all-gather (column-wise)", "all_gather", output, Overlap.none))
+        out.append(_Traffic("output all-gather (column-wise)", "all_gather", output))
     if isinstance(style, RowwiseParallel):
         layout = style.output_layouts[0]
         if isinstance(layout, Replicate):
-            out.append(("output all-reduce (row-wise), forward", "all_reduce", output, Overlap.none))
+            out.append(_Traffic("output all-reduce (row-wise), forward", "all_reduce", output))
         elif isinstance(layout, Shard):
             out += [
-                (
-                    "output reduce-scatter (row-wise, sequence parallel)",
-                    "reduce_scatter",
-                    output,
-                    Overlap.none,
-                ),
-                ("output gradient all-gather (sequence parallel)", "all_gather", output, Overlap.none),
+                _Traffic("output reduce-scatter (row-wise, sequence parallel)", "reduce_scatter", output),
+                _Traffic("output gradient all-gather (sequence parallel)", "all_gather", output),
             ]
     if isinstance(style, SequenceParallel):
         params = sum(p.numel() * p.element_size() for p in module.parameters())
-        if params:
-            out.append((NORM_GRADIENTS, "all_reduce", params, Overlap.none))
+        if params:  # the norms' weights are replicated: their gradients summed once, after the last pass
+            what = "sequence-parallel norms' weight gradient all-reduce, once per step"
+            out.append(_Traffic(what, "all_reduce", params, once=True))
     return out
 
 
