@@ -16,9 +16,10 @@ Throughput is training samples/s (evaluation is not timed): in each process the 
 after the first (a warm-up), then the median over repeats. The ratios: framework overhead on the same
 data path (ddpexp:loader / plain:loader and ddpexp:device / plain:index; 1.00 = none), what the
 device-resident path gains over the tutorials' loop (ddpexp:device / plain:loader), and the distance
-to the ceiling (ddpexp:device / bare). Also: ddpexp's time from command to first optimizer step, its
-data-wait and communication shares, and peak memory (max RSS of the largest rank) of ddpexp and of
-the plain loop.
+to the ceiling (ddpexp:device / bare); the two same-path ratios also repeat by repeat (the pair of
+processes that ran one after another), their median and min-max: the spread. Also: ddpexp's time
+from command to first optimizer step, its data-wait and communication shares, and peak memory (max
+RSS of the largest rank) of ddpexp and of the plain loop.
 
     python scripts/bench.py                 # full: 5 repeats of 5 epochs (about an hour on 2 cores)
     python scripts/bench.py --smoke         # about a minute: mlp only, 1 repeat, tiny data (CI runs it)
@@ -171,6 +172,17 @@ def measure(
     for missing in ("ddpexp:dataloader", "plain:dataloader", "plain:bare"):
         for key in ("samples_per_s", "peak_mb"):
             med.setdefault(f"{missing}/{key}", nan)
+    # Each repeat's ratio on the same data path (its contenders ran one after another): the spread.
+    for name, ours_, theirs in (
+        ("loader", "ddpexp:dataloader", "plain:dataloader"),
+        ("index", "ddpexp:device", "plain:index"),
+    ):
+        ratios = [
+            a["samples_per_s"] / b["samples_per_s"]
+            for a, b in zip(runs.get(ours_, []), runs.get(theirs, []), strict=False)
+        ]
+        for stat, f in (("median", statistics.median), ("min", min), ("max", max)):
+            med[f"pairs_{name}/{stat}"] = f(ratios) if ratios else nan
     return med
 
 
@@ -344,6 +356,23 @@ RATIOS = [
 ]
 
 
+# The like-for-like ratios repeat by repeat: median (min-max) over the repeats.
+SPREAD = [
+    (
+        "loader/loader per repeat",
+        24,
+        "",
+        lambda m: f"{m['pairs_loader/median']:.3f} ({m['pairs_loader/min']:.2f}-{m['pairs_loader/max']:.2f})",
+    ),
+    (
+        "device/index per repeat",
+        23,
+        "",
+        lambda m: f"{m['pairs_index/median']:.3f} ({m['pairs_index/min']:.2f}-{m['pairs_index/max']:.2f})",
+    ),
+]
+
+
 def table(title: str, columns: list, rows: list[tuple[str, str, dict[str, float]]]) -> str:
     lines = [title, f"{'model':<8} {'strategy':<8} " + " ".join(f"{h:>{w}}" for h, w, _, _ in columns)]
     for model, strategy, m in rows:
@@ -387,6 +416,8 @@ def main() -> None:
     print(table("samples/s", COLUMNS, rows))
     print()
     print(table("ratios and costs", RATIOS, rows))
+    print()
+    print(table("ddpexp / its hand-written twin on the same data path, repeat by repeat", SPREAD, rows))
     print()
     print("loop overhead, one process, epochs in turn (scripts/loop_overhead.py): ddpexp / hand-written")
     for model in models.split(","):
