@@ -15,7 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from ddpexp import fsutil, runner
+from ddpexp import fsutil, runner, runrecord
+from ddpexp.runrecord import read_run_record
 
 from .conftest import QUICK, metrics, run_ddpexp, run_here, same_weights
 from .fault_harness import (
@@ -192,7 +193,9 @@ def test_ctrl_c_under_submitit_stops_its_local_jobs_and_says_so_in_one_line(tmp_
     _, alive = psutil.wait_procs(tree, timeout=10)  # the jobs stop as the command does, not before it
     assert not alive, alive
     (run_dir,) = run_dirs(tmp_path / "sweep")
-    assert metrics(run_dir)["status"] == "interrupted"
+    # The job records its interruption unless submitit's controller, which SIGKILLs its jobs 1 s after
+    # passing the Ctrl-C on, is first (a loaded host): then every reader sees the record as crashed.
+    assert read_run_record(run_dir).status in ("interrupted", runrecord.CRASHED), metrics(run_dir)
 
 
 def test_a_stale_rendezvous_file_in_the_run_dir_does_not_block_resume(tmp_path: Path):
