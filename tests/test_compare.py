@@ -400,6 +400,45 @@ def test_gpt_strategies_preset_runs_every_strategy_on_gpt_small_and_the_stdlib_a
     ]
 
 
+PARALLELISMS = {  # experiment=parallelisms' jobs: option -> (strategy, settings that differ)
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "nd_2d": ("nd", {"tp": 2}),
+    "nd_2d_sp": ("nd", {"tp": 2, "sequence_parallel": True}),
+    "nd_hsdp": ("nd", {"dp_replicate": 2}),
+    "nd_pp_tp": ("nd", {"pp": 2, "tp": 2}),
+    "nd_pp_fsdp": ("nd", {"pp": 2}),
+}
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_parallelisms_preset_runs_each_mesh_on_gpt_small_at_world_4_and_one_batch():
+    """Composition only: one job per mesh (with ddp and fsdp beside them), gpt_small on the standard
+    library's source at one global batch of 16 windows, 4 ranks each, every mesh the issue lists at
+    world 4 (dp_shard x tp, with sequence parallelism, HSDP, pp x tp, pp x dp_shard), each label apart."""
+    from ddpexp.plan import HostFacts
+    from ddpexp.preflight import check_job
+
+    comp, expanded, options = _strategy_preset("parallelisms")
+    assert options == list(PARALLELISMS)
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    labels, meshes = set(), set()
+    for job, option in zip(expanded, options, strict=True):
+        cfg = comp(job)
+        strategy, settings = PARALLELISMS[option]
+        resolved = strategies.resolve(cfg.strategy)
+        assert (cfg.strategy.name, resolved.changed_settings()) == (strategy, settings)
+        assert (cfg.model.n_layer, cfg.model.dim, cfg.task._target_) == (4, 256, "ddpexp.tasks.LanguageModel")
+        plan = check_job(cfg, host, multirun=True)
+        assert (plan.world_size, plan.global_batch) == (4, 16)
+        labels.add(strategy_label({"strategy": strategy, "strategy_settings": settings}))
+        if strategy == "nd":
+            d = resolved.degrees(4)
+            meshes.add((d.dp_replicate, d.dp_shard, d.tp, d.pp))
+    assert len(labels) == len(PARALLELISMS)
+    assert meshes == {(1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 1, 2)}
+
+
 def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_that_log_them(tmp_path: Path):
     """Fabricated runs (metrics.json only, with the columns each strategy declares, as a run records
     them): pipeline runs show their last epoch's measured bubble next to the textbook one, ps async its
