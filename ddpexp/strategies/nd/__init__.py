@@ -368,7 +368,7 @@ class _Runner(nn.Module):
         self.shapes_known = stage is None
 
     def _counting(self) -> contextlib.AbstractContextManager[Any]:
-        return self.counter.mode if self.counter is not None else contextlib.nullcontext()
+        return self.counter.counting() if self.counter is not None else contextlib.nullcontext()
 
     def train_step(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> torch.Tensor | None:
         if not self.shapes_known:

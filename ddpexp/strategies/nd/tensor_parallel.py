@@ -22,8 +22,9 @@ of the gradient backward; Shard -> Replicate an all-gather forward and a reduce-
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -114,10 +115,22 @@ class CollectiveCounter:
         self.mode = _mode_class()(self)
         self.launched: dict[int, float] = {}
 
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """One training step under the mode. A launch whose wait the step does not see (waited outside
+        the mode) is forgotten with the step: kept, a later tensor at the same address paired with it
+        and timed a wait of many steps."""
+        self.launched.clear()
+        try:
+            with self.mode:
+                yield
+        finally:
+            self.launched.clear()
+
     def seen(self, name: str, args: tuple[Any, ...], out: Any, start: float) -> None:
         if name == "wait_tensor":
             begun = self.launched.pop(id(args[0]), None)
-            if begun is not None:
+            if begun is not None and self.meter.timing:
                 self.meter.interval(begun, time.perf_counter())
             return
         self.meter.count(_payload(args[0]), KIND)
