@@ -27,6 +27,7 @@ from .config import OnNonFinite, Precision
 from .data.loaders import Loader, to_device
 from .errors import UserError
 from .heartbeat import Heartbeat, Preempted
+from .interrupts import raise_if_requested
 from .recorder import NullRecorder
 from .strategies import Wrapped
 from .strategies.comm import KINDS
@@ -262,6 +263,7 @@ class Engine:
             else:
                 loss = self.forward_backward(inputs, targets, sync=last_micro)
             beat(self.pos.step)
+            raise_if_requested()  # a stop signal whose exception a finalizer dropped
             if loss is not None:  # None: this rank computes no loss (a pipeline's first stage)
                 pending.append(loss)
                 self._epoch_scored += 1
@@ -533,6 +535,7 @@ class Engine:
             with self._autocast():
                 outputs = module(inputs)
             self.heartbeat.beat(self.pos.step)
+            raise_if_requested()
             if targets is None or outputs is None:  # a lockstep pass, or a rank that scores nothing
                 continue
             targets = targets.to(outputs.device, non_blocking=True)

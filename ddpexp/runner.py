@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from . import composition, fsutil, host, remote
+from . import composition, fsutil, host, interrupts, remote
 from .errors import NothingToDo, UserError
 from .job import Job, Outcome
 from .launch import warmup
@@ -89,6 +89,7 @@ def run_jobs(
     here = os.getpid()
 
     def task(cfg: DictConfig) -> float | None:
+        interrupts.raise_if_requested()  # a stop signal whose exception a finalizer dropped
         warmup.finish()  # a no-op after the first job, and in a process that did no pre-flight
         outcome = run_job(
             cfg,
@@ -102,12 +103,14 @@ def run_jobs(
             report(outcome)  # and the sweep must still stop or go on as the outcome says
         if outcome.exit_code in STOP_CODES:  # Ctrl-C, SIGTERM, a preemption: the whole sweep stops
             raise SystemExit(outcome.exit_code)
+        interrupts.raise_if_requested()
         if outcome.exit_code != 0 and os.getpid() != here:  # a remote job: only an exception says so
             raise JobFailed(str(outcome.run_dir), outcome.exit_code, outcome.error)
         return best_value(outcome.run_dir)
 
     composition.register_schema()
     GlobalHydra.instance().clear()
+    interrupts.clear()  # a stop asked of an earlier command in this process (the Python API)
     try:
         conf = composition.conf_dir()
         with (

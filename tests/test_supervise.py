@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpexp import interrupts
 from ddpexp.heartbeat import BEATS, SIZE, SLOW, Heartbeat, Pulse
 from ddpexp.launch.supervise import Interrupted, Supervisor, Watch, Worker, sigterm_raises
 
@@ -176,3 +177,24 @@ def test_a_sigterm_while_a_log_line_is_written_stops_the_run():
             log.warning("a line")
     finally:
         log.handlers.clear()
+        interrupts.clear()  # the stop the handler left asked for: not for the next test in this process
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise
+def test_a_sigterm_that_lands_in_a_finalizer_is_not_lost():
+    """CPython drops an exception raised while a `__del__` runs ("Exception ignored in"): a SIGTERM
+    landing there raised nothing, and a sweep went on to its next jobs. The signal stays asked for,
+    and the training loop's and the sweep's next check raise it."""
+
+    class Finalized:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, inside the finalizer
+
+    try:
+        with sigterm_raises():
+            Finalized()  # dropped at once: its __del__ runs, the handler's Interrupted is dropped
+            with pytest.raises(Interrupted) as stopped:
+                interrupts.raise_if_requested()
+        assert stopped.value.code == 143
+    finally:
+        interrupts.clear()

@@ -33,8 +33,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
+from .. import interrupts
 from ..errors import UserError
 from ..heartbeat import STOP_NOW, Heartbeat, Pulse
+from ..interrupts import Interrupted
 from ..procstat import how_it_ended, is_stopped, start_time
 from ..recorder import METRICS_FILE, finish_metrics
 
@@ -46,28 +48,13 @@ STACK_WAIT_S = 1.0
 SIGNAL_EXITS = {128 + signal.SIGTERM: signal.SIGTERM, 128 + signal.SIGINT: signal.SIGINT}
 
 
-class Interrupted(BaseException):
-    """Raised in the main thread when the process is asked to stop (SIGTERM). A BaseException, as
-    KeyboardInterrupt is: code that handles any Exception (a log handler, a loader's "damaged file")
-    must not take a stop for its own failure and carry on."""
-
-    interrupted = True
-
-    def __init__(self, code: int) -> None:
-        try:
-            name = signal.Signals(code - 128).name
-        except ValueError:
-            name = "signal"
-        super().__init__(f"stopped by {name} (exit {code})")
-        self.code = code
-
-
 def stopped_from_outside(signum: int) -> str:
     """How a rank that a signal from outside stopped is named, by the launcher and by torchrun's rank 0."""
     return f"stopped by {signal.Signals(signum).name} (not sent by ddpexp)"
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    interrupts.request(signum)  # kept for the next step's check, should a finalizer drop the raise
     raise Interrupted(128 + signum)
 
 
