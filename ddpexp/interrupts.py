@@ -11,6 +11,7 @@ signal here, and the training loop and the sweep raise it again at their next st
 from __future__ import annotations
 
 import signal
+from typing import NoReturn
 
 _requested: int | None = None
 
@@ -29,6 +30,12 @@ class Interrupted(BaseException):
             name = "signal"
         super().__init__(f"stopped by {name} (exit {code})")
         self.code = code
+
+
+def stop(signum: int) -> NoReturn:
+    """What a signal handler that stops the run does: remember the signal, then raise `Interrupted`."""
+    request(signum)
+    raise Interrupted(128 + signum)
 
 
 def request(signum: int) -> None:

@@ -24,16 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import composition, fsutil, host, interrupts, remote
 from .errors import NothingToDo, UserError
+from .interrupts import Interrupted
 from .job import Job, Outcome
 from .launch import warmup
-from .launch.supervise import (
-    STOP_SIGNALS,
-    Interrupted,
-    error_summary,
-    read_error,
-    signals_ignored,
-    stops_raise,
-)
+from .launch.supervise import STOP_SIGNALS, error_summary, read_error, signals_ignored, stops_raise
 from .plan import ExternalWorld
 from .recorder import finish_metrics, settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none

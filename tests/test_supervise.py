@@ -13,7 +13,8 @@ import pytest
 
 from ddpexp import interrupts
 from ddpexp.heartbeat import BEATS, SIZE, SLOW, Heartbeat, Pulse
-from ddpexp.launch.supervise import Interrupted, Supervisor, Watch, Worker, sigterm_raises
+from ddpexp.interrupts import Interrupted
+from ddpexp.launch.supervise import Supervisor, Watch, Worker, sigterm_raises
 
 
 class _Running:

@@ -438,7 +438,7 @@ def test_a_run_stopped_between_opening_its_record_and_training_says_how_it_ended
     while the engine is still being built (or a checkpoint restored) must still end it with the true
     status, not leave a run that says `running` forever (a SIGTERM to a sweep did, under load)."""
     from ddpexp import train
-    from ddpexp.launch.supervise import Interrupted
+    from ddpexp.interrupts import Interrupted
 
     def stopped(*args, **kwargs):
         raise Interrupted(143) if raised == "interrupted" else RuntimeError("engine broke")  # 128 + SIGTERM
@@ -454,7 +454,7 @@ def test_a_sigterm_the_moment_metrics_json_says_running_is_still_recorded(tmp_pa
     """The first `running` record is written where a stop is already recorded: a SIGTERM that lands
     just after that write (the test of a sweep whose output is gone sends it the moment it sees the
     file, and under load it landed there) ends the run `interrupted`, not `running` forever."""
-    from ddpexp.launch.supervise import Interrupted
+    from ddpexp.interrupts import Interrupted
     from ddpexp.recorder import Recorder
 
     write = Recorder._write_metrics

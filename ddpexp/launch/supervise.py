@@ -36,7 +36,6 @@ from typing import Any, Protocol
 from .. import interrupts
 from ..errors import UserError
 from ..heartbeat import STOP_NOW, Heartbeat, Pulse
-from ..interrupts import Interrupted
 from ..procstat import how_it_ended, is_stopped, start_time
 from ..recorder import METRICS_FILE, finish_metrics
 
@@ -54,8 +53,7 @@ def stopped_from_outside(signum: int) -> str:
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    interrupts.request(signum)  # kept for the next step's check, should a finalizer drop the raise
-    raise Interrupted(128 + signum)
+    interrupts.stop(signum)
 
 
 @contextlib.contextmanager
@@ -108,7 +106,7 @@ def checkpoint_then_stop(heartbeat: Heartbeat) -> Iterator[None]:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if heartbeat.stop_requested:
-            raise Interrupted(128 + signum)
+            interrupts.stop(signum)
         at = heartbeat.step + 1
         heartbeat.request_stop(at, signum)
         name = signal.Signals(signum).name
@@ -126,7 +124,7 @@ def forward_to_launcher(heartbeat: Heartbeat, launcher_pid: int) -> Iterator[Non
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if heartbeat.stopping_now():
-            raise Interrupted(128 + signum)
+            interrupts.stop(signum)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(launcher_pid, signum)
 

@@ -163,7 +163,8 @@ def follow() -> int:
 
 def _train(job: Job, store: Any, *, since: float) -> int:
     from ..context import RunContext
-    from .supervise import Interrupted, signals_ignored
+    from ..interrupts import Interrupted
+    from .supervise import signals_ignored
     from .worker import configure_process, execute, run_guarded
 
     ctx = RunContext.for_process(job)

@@ -28,10 +28,11 @@ from ..context import PARENT_PID_ENV, RunContext
 from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..heartbeat import Heartbeat, Preempted
+from ..interrupts import Interrupted
 from ..job import Job
 from . import senders
 from .leave import exit_now
-from .supervise import STACK_SIGNAL, Interrupted, error_file, forward_to_launcher, sigterm_raises
+from .supervise import STACK_SIGNAL, error_file, forward_to_launcher, sigterm_raises
 
 log = logging.getLogger(__name__)
 
