@@ -158,13 +158,12 @@ class Fsdp(Strategy[FsdpConfig]):
             return []
         element = 2 if self.settings.mixed_precision is not None else None
         out = sharded_traffic(
-            unit_params(job.model),
+            unit_shards(unit_params(job.model), world, element_size=element),
             world,
             gathers=job.accumulate,
             reduces=1,
             again=self.settings.reshard_after_forward,
             inter_node=job.spans_nodes(world),
-            element_size=element,
         )
         return out + (syncbn.communication(job.model, job) if self.settings.sync_bn else [])
 
@@ -235,29 +234,32 @@ def unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
     return [*units, [p for p in model.parameters() if id(p) not in taken]]
 
 
-def sharded_traffic(
+def unit_shards(
     units: list[list[nn.Parameter]],
     ranks: int,
     *,
-    gathers: int,
-    reduces: int,
-    again: bool,
-    inter_node: bool,
     element_size: int | None = None,
     shapes: dict[int, tuple[int, ...]] | None = None,
+) -> list[int]:
+    """Bytes of one rank's shard of each unit (a list of parameters, one fully_shard call) over `ranks`,
+    for the units that have parameters (one without has no collectives). FSDP2 shards every parameter
+    on dim 0 in ceil(d0/W) rows, padding the last ranks' chunks. `element_size`: bytes an element
+    travels in (mixed precision), else the parameter's; `shapes`: a parameter's shape as this rank
+    holds it, where not its own (a tensor-parallel split)."""
+    sizes = (_shard_bytes(ps, ranks, element_size, shapes or {}) for ps in units)
+    return [b for b in sizes if b]
+
+
+def sharded_traffic(
+    shards: list[int], ranks: int, *, gathers: int, reduces: int, again: bool, inter_node: bool
 ) -> list[Collective]:
-    """FSDP's collectives over `ranks` per optimizer step, each unit's (a list of parameters, one
-    fully_shard call) counted as `metered_collectives` counts them: `gathers` all-gathers of the rank's
+    """FSDP's collectives over `ranks` per optimizer step for units whose shards are these bytes
+    (unit_shards), counted as `metered_collectives` counts them: `gathers` all-gathers of the rank's
     shard for the forward, as many again for the backward when `again` (reshard_after_forward), and
-    `reduces` reduce-scatters of the unit's whole padded gradient. FSDP2 shards every parameter on dim
-    0 in ceil(d0/W) rows, padding the last ranks' chunks, so a shard is ceil(d0/W) x the other dims,
-    the gradient W x that. `element_size`: bytes an element travels in (mixed precision), else the
-    parameter's; `shapes`: a parameter's shape as this rank holds it, where not its own (a
-    tensor-parallel split). Forward all-gathers are prefetched behind the previous unit's forward,
-    backward ones and the reduce-scatters behind the backward pass."""
-    sizes = (shard_bytes(ps, ranks, element_size=element_size, shapes=shapes) for ps in units)
-    shards = [b for b in sizes if b]
-    if not shards or ranks < 2:  # a unit without parameters has no collectives
+    `reduces` reduce-scatters of the unit's whole padded gradient (W x its shard). Forward all-gathers
+    are prefetched behind the previous unit's forward, backward ones and the reduce-scatters behind
+    the backward pass."""
+    if not shards or ranks < 2:
         return []
     calls, shard = len(shards), float(sum(shards))
 
@@ -290,18 +292,13 @@ def sharded_traffic(
     ]
 
 
-def shard_bytes(
-    params: list[nn.Parameter],
-    world: int,
-    *,
-    element_size: int | None = None,
-    shapes: dict[int, tuple[int, ...]] | None = None,
+def _shard_bytes(
+    params: list[nn.Parameter], world: int, element_size: int | None, shapes: dict[int, tuple[int, ...]]
 ) -> int:
-    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk);
-    `element_size`, `shapes` as for sharded_traffic."""
+    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk)."""
     total = 0
     for p in params:
-        shape = (shapes or {}).get(id(p), tuple(p.shape)) or (1,)
+        shape = shapes.get(id(p), tuple(p.shape)) or (1,)
         total += math.ceil(shape[0] / world) * math.prod(shape[1:]) * (element_size or p.element_size())
     return total
 

@@ -54,9 +54,9 @@ from ..fsdp import (
     load_full_optimizer_state,
     metered_collectives,
     no_grad_sync,
-    shard_bytes,
     sharded_traffic,
     unit_params,
+    unit_shards,
     units_and_ties,
 )
 from ..pipeline import Schedule, StageLayout, StageRunner, check_microbatches, check_stages
@@ -305,27 +305,26 @@ class Nd(Strategy[NdConfig]):
         staged = degrees.pp > 1
         reduces = job.accumulate if staged else 1
         spans = job.nodes > 1  # a data-parallel group's ranks lie tp x ... apart: across nodes if any
-        units = unit_params(job.model)
+        shards = unit_shards(unit_params(job.model), degrees.dp_shard, shapes=shapes)
         out = sharded_traffic(
-            units,
+            shards,
             degrees.dp_shard,
             gathers=job.accumulate,
             reduces=reduces,
             again=self.settings.reshard_after_forward and not staged,
             inter_node=spans,
-            shapes=shapes,
         )
-        if degrees.dp_replicate > 1:
-            shards = [b for b in (shard_bytes(ps, degrees.dp_shard, shapes=shapes) for ps in units) if b]
+        if degrees.dp_replicate > 1 and shards:
+            reduced = float(sum(shards)) * reduces
             out.append(
                 Collective(
                     "each shard's gradient all-reduce across the replica groups (HSDP)",
                     "all_reduce",
-                    float(sum(shards)) * reduces,
+                    reduced,
                     degrees.dp_replicate,
                     len(shards) * reduces,
                     Overlap.backward,
-                    counted=float(sum(shards)) * reduces,
+                    counted=reduced,
                     inter_node=spans,
                 )
             )
