@@ -45,7 +45,7 @@ from torch import nn
 
 from ...config import StrategyConfig
 from ...optim import OptimizerSpec
-from .. import Strategy, Wrapped, register
+from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Overlap, Workload
 from ..ddp_mp import boundary_bytes, group, model_stages
 from ..fsdp import (
@@ -247,6 +247,10 @@ class Nd(Strategy[NdConfig]):
             load_full_optimizer_state(wrapped.base, optimizer, state)
 
     # ------------------------------------------------------------------------- cost model
+
+    def fp16_conflict(self, *, world_size: int) -> str | None:
+        degrees = self.degrees(world_size)
+        return FP16_OWN_STEP if degrees.tp > 1 or degrees.pp > 1 else None
 
     def compute_share(self, *, job: Workload) -> float:
         """Each data shard's work (1/dp of the batch) split over the tp ranks."""
