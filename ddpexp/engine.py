@@ -29,7 +29,7 @@ from .errors import UserError
 from .heartbeat import Heartbeat, Preempted
 from .interrupts import raise_if_requested
 from .recorder import NullRecorder
-from .strategies import Wrapped
+from .strategies import FP16_FIX, FP16_OWN_STEP, FP16_OWN_STEPS, Wrapped
 from .strategies.comm import KINDS
 from .tasks import Classification, Task
 
@@ -141,16 +141,15 @@ class Engine:
         self.scaler = torch.amp.GradScaler("cuda") if settings.precision == Precision.fp16 else None
         if self.scaler is not None and model.train_step is not None:
             raise UserError(
-                "fp16 needs loss scaling inside the strategy's own training step, which it does not do",
+                FP16_OWN_STEP,
                 setting="trainer.precision",
-                fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
+                fix=FP16_FIX,
             )
         if self.scaler is not None and model.own_steps:
             raise UserError(
-                "fp16's loss scaling may skip an optimizer step on one rank alone, and this strategy's "
-                "ranks, which step on gradients of their own, would then fall out of step",
+                FP16_OWN_STEPS,
                 setting="trainer.precision",
-                fix="use trainer.precision=bf16 (no loss scaling needed) or fp32",
+                fix=FP16_FIX,
             )
         self.on_checkpoint = on_checkpoint
         self.on_step = on_step  # after each optimizer step and its checkpoint (fault injection)

@@ -82,6 +82,9 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         pinned_devices=strategy.pinned_devices() if device_type == "cuda" else (),
     )
     strategy.check(plan=result, host=host)
+    why = strategy.fp16_conflict(world_size=world) if cfg.trainer.precision == Precision.fp16 else None
+    if why is not None:
+        raise UserError(why, setting="trainer.precision", fix=strategies.FP16_FIX)
     return result
 
 

@@ -224,6 +224,40 @@ def test_more_processes_than_gpus_is_refused(overrides: list[str], words: list[s
     assert all(w in str(refused.value) for w in words), str(refused.value)
 
 
+FP16_ON_GPUS = {  # strategy overrides -> whether fp16 on 4 GPUs is refused before anything starts
+    ("strategy=ddp",): False,
+    ("strategy=fsdp",): False,
+    ("strategy=nd",): False,  # FSDP only: the engine's step, with its loss scaler
+    ("strategy=nd", "strategy.tp=2", "model=gpt_tiny", "task=lm", "data=synthetic_tokens"): True,
+    ("strategy=nd", "strategy.pp=2"): True,
+    ("strategy=pipeline",): True,
+    ("strategy=ps", "dist.nprocs=2", "backend=gloo"): True,
+    ("strategy=local_sgd",): True,
+    ("strategy=diloco",): True,
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"), FP16_ON_GPUS.items(), ids=[" ".join(o) for o in FP16_ON_GPUS]
+)
+def test_fp16_where_the_strategy_cannot_scale_losses_is_refused_before_anything_starts(
+    overrides: tuple[str, ...], refused: bool
+):
+    """A strategy that runs its own training step (no loss scaler), or whose ranks step apart (a
+    skipped step on one rank alone), refuses fp16 in pre-flight, on a GPU host, with the way out; it
+    was refused only once the workers had started and built the model."""
+    from ddpexp.errors import UserError
+
+    gpu_host = HostFacts(cuda_devices=4, nccl=True, gloo=True, mpi=False)
+    cfg = compose(config_name="config", overrides=[*overrides, "device=cuda", "trainer.precision=fp16"])
+    if not refused:
+        plan(cfg, gpu_host)
+        return
+    with pytest.raises(UserError) as error:
+        plan(cfg, gpu_host)
+    assert "trainer.precision" in str(error.value) and "bf16" in str(error.value), str(error.value)
+
+
 def test_checkpoint_on_signal_under_torchrun_is_refused_with_the_way_out():
     """torchrun stops its workers itself on SIGTERM, before they could save: refused, not ignored."""
     from ddpexp.errors import UserError

@@ -116,6 +116,17 @@ def test_sequence_parallelism_moves_other_collectives_than_plain_tensor_parallel
     assert plain[tag] != sequence[tag]
 
 
+def test_a_model_with_batchnorm_trains_and_evaluates_in_stages(tmp_path: Path):
+    """Each stage's buffers (BatchNorm's running statistics) are synchronised among that stage's ranks
+    only: the default broadcast of the whole model's buffers waited forever on ranks that hold one
+    stage (the hang detector stopped the run). The ConvNet has BatchNorm; 2 stages x dp_shard 2."""
+    args = ["strategy=nd", "strategy.pp=2", "strategy.dp_shard=2", "model=convnet", "data=synthetic"]
+    result = run_here(tmp_path, *args, "trainer.max_steps=3", "trainer.progress=false", "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    record = metrics(tmp_path / "run")
+    assert record["status"] == "completed" and "eval/acc" in record["final"], record
+
+
 def test_a_2d_checkpoint_resumes_under_single_and_under_another_mesh(
     nd_runs: dict[str, Path], tmp_path: Path
 ):

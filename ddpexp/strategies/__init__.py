@@ -77,6 +77,15 @@ class DataParallelConfig(StrategyConfig):
 # Modules of this package that hold no strategy; every other module registers the one it is named after.
 NOT_STRATEGIES = frozenset({"comm", "syncbn"})
 
+# Why fp16's loss scaling cannot run under a strategy (Strategy.fp16_conflict, refused in pre-flight;
+# the engine says the same of what wrap returned).
+FP16_OWN_STEP = "fp16 needs loss scaling inside the strategy's own training step, which it does not do"
+FP16_OWN_STEPS = (
+    "fp16's loss scaling may skip an optimizer step on one rank alone, and this strategy's ranks, "
+    "which step on gradients of their own, would then fall out of step"
+)
+FP16_FIX = "use trainer.precision=bf16 (no loss scaling needed) or fp32"
+
 C = TypeVar("C", bound=StrategyConfig)
 TrainStep = Callable[[Any, torch.Tensor, float, Loss], "torch.Tensor | None"]
 
@@ -207,6 +216,11 @@ class Strategy(ABC, Generic[C]):
 
     def check(self, *, plan: Plan, host: HostFacts) -> None:
         """Refuse what cannot work with this plan (a UserError naming the setting and the fix)."""
+
+    def fp16_conflict(self, *, world_size: int) -> str | None:
+        """Why fp16 mixed precision cannot train under this strategy at `world_size` ranks (its own
+        training step, or ranks that step apart: FP16_OWN_STEP, FP16_OWN_STEPS), or None."""
+        return None
 
     def check_model(self, model: nn.Module) -> None:
         """Refuse a model the strategy cannot handle; `model` lives on the meta device."""

@@ -32,8 +32,8 @@ metered as buffers); integer ones (batch counts) are equal on every rank already
 
 Bytes (`comm/bytes_per_step`, kind parameters): the flat buffer each rank hands to all-reduce, S (the
 trained parameters), once every H steps: S/H per step, counted as naive_allreduce counts a collective.
-fp16 is refused by the engine (`Wrapped.own_steps`): its loss scaler may skip a step on one rank alone,
-and the synchronisations would fall out of step.
+fp16 is refused in pre-flight (`fp16_conflict`; the engine too, `Wrapped.own_steps`): its loss scaler
+may skip a step on one rank alone, and the synchronisations would fall out of step.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ..checkpoint import to_cpu
 from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
-from . import Strategy, Wrapped, register
+from . import FP16_OWN_STEPS, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload, parameter_bytes, tensor_bytes
 
 if TYPE_CHECKING:
@@ -85,6 +85,9 @@ class LocalSgd(Strategy[LocalSgdConfig]):
                 setting="dist.nprocs",
                 fix="use dist.nprocs=2 or more, or strategy=single",
             )
+
+    def fp16_conflict(self, *, world_size: int) -> str | None:
+        return FP16_OWN_STEPS
 
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         model = model.to(ctx.device)

@@ -48,7 +48,7 @@ from ..checkpoint import to_cpu
 from ..config import StrategyConfig
 from ..errors import UserError, require_positive
 from ..optim import OptimizerSpec
-from . import ReportColumn, Strategy, Wrapped, register
+from . import FP16_OWN_STEP, ReportColumn, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload
 from .ddp_mp import boundary_bytes, group, model_stages, refuse_ties_across
 from .fsdp import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
@@ -127,6 +127,9 @@ class Pipeline(Strategy[PipelineConfig]):
         return make(_runner(wrapped).part.parameters())  # this stage's parameters only
 
     # ------------------------------------------------------------------------- cost model
+
+    def fp16_conflict(self, *, world_size: int) -> str | None:
+        return FP16_OWN_STEP
 
     def compute_share(self, *, job: Workload) -> float:
         """Each stage computes 1/p of its replica's batch (1/replicas of the global batch), in m

@@ -85,7 +85,7 @@ from .. import distributed
 from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
-from . import ReportColumn, Strategy, Wrapped, register
+from . import FP16_OWN_STEP, ReportColumn, Strategy, Wrapped, register
 from .comm import Collective, CommMeter, Workload
 
 if TYPE_CHECKING:
@@ -209,6 +209,9 @@ class Ps(Strategy[PsConfig]):
                     )
                 )
         return out
+
+    def fp16_conflict(self, *, world_size: int) -> str | None:
+        return FP16_OWN_STEP  # the server's step
 
     def compute_share(self, *, job: Workload) -> float:
         return 1.0 / max(job.world - 1, 1)  # the server computes nothing; W-1 workers split the batch

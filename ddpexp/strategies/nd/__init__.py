@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from torch import nn
 
 from ...config import StrategyConfig
 from ...optim import OptimizerSpec
-from .. import Strategy, Wrapped, register
+from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Overlap, Workload
 from ..ddp_mp import boundary_bytes, group, model_stages
 from ..fsdp import (
@@ -213,6 +214,7 @@ class Nd(Strategy[NdConfig]):
             train_step=runner.train_step if own_step else None,
             grad_norm=_grad_norm if stage is None else stage.grad_norm,
             extra_metrics=None if stage is None else stage.bubble_metrics,
+            sync_buffers=None if stage is None else _stage_buffers(stage.part, degrees, at["pp"]),
         )
 
     def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
@@ -245,6 +247,10 @@ class Nd(Strategy[NdConfig]):
             load_full_optimizer_state(wrapped.base, optimizer, state)
 
     # ------------------------------------------------------------------------- cost model
+
+    def fp16_conflict(self, *, world_size: int) -> str | None:
+        degrees = self.degrees(world_size)
+        return FP16_OWN_STEP if degrees.tp > 1 or degrees.pp > 1 else None
 
     def compute_share(self, *, job: Workload) -> float:
         """Each data shard's work (1/dp of the batch) split over the tp ranks."""
@@ -329,6 +335,28 @@ class Nd(Strategy[NdConfig]):
                 )
             )
         return out
+
+
+def _stage_buffers(part: nn.Module, degrees: Degrees, stage: int) -> Callable[[], None]:
+    """A stage's buffers (BatchNorm's running statistics) as its first rank holds them, broadcast to
+    the stage's other ranks; each stage's own, as its ranks hold no other's (the default broadcast of
+    the whole model's would wait forever for buffers a rank does not have). Every rank makes every
+    stage's group, in the same order, as new_group requires."""
+    import torch.distributed as dist
+
+    stride = degrees.world // degrees.pp  # ranks lie pp outermost: a stage's are consecutive
+    groups = [dist.new_group(list(range(s * stride, (s + 1) * stride))) for s in range(degrees.pp)]
+    group, first = groups[stage], stage * stride
+    assert isinstance(group, dist.ProcessGroup)  # this rank's own stage's group
+
+    def sync() -> None:
+        if stride == 1:
+            return
+        with torch.no_grad():
+            for b in part.buffers():
+                dist.broadcast(b, src=first, group=group)
+
+    return sync
 
 
 def _fsdp_meter(model: nn.Module, *, hsdp: bool) -> CommMeter:
