@@ -170,9 +170,12 @@ class Engine:
         self._first_step_done = False
         self._nonfinite_seen = False
         self._resident: dict[str, float] | None = None  # memory.resident_mb, max over ranks
-        # Measures the first micro-batch's forward and backward of each run (or resumed run); the one
-        # ddpexp.activation_checkpointing reports recomputations to.
+        # Measures one micro-batch's forward and backward of each run (or resumed run), the first of the
+        # `_measure_at`-th step this process runs; the one ddpexp.activation_checkpointing reports
+        # recomputations to.
         self.activations = activations or memory.ActivationMeter()
+        self._steps_here = 0  # optimizer steps this process has run
+        self._measure_at = 0
         dtype = AUTOCAST[settings.precision]
         self._autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
             (lambda: torch.autocast(device_type=device.type, dtype=dtype))
@@ -196,6 +199,9 @@ class Engine:
                 epoch=self.pos.epoch, epochs=self.settings.epochs, step=self.step, values=values
             )
             return values
+        # The second step where there is one: a pipeline's first step also sets its stages up, which
+        # holds one more micro-batch's activations on the first stage than any later step does.
+        self._measure_at = 1 if self.settings.total_steps(self.steps_per_epoch) - self.step >= 2 else 0
         while self.pos.epoch < self.settings.epochs:
             epoch = self.pos.epoch
             values = self.train_epoch(epoch)
@@ -242,6 +248,7 @@ class Engine:
         micro = steps = 0
         wait = 0.0
         unmeasured = self.activations.peak_bytes is None
+        measure_at = self._measure_at
         start = time.perf_counter()
         it = iter(batches)
         while True:
@@ -255,7 +262,7 @@ class Engine:
                 comm.begin_step(time_comm_every)
             micro += 1
             last_micro = micro % acc == 0
-            if unmeasured:
+            if unmeasured and self._steps_here == measure_at:
                 unmeasured = False
                 with self.activations.measure(self.model.base):
                     loss = self.forward_backward(inputs, targets, sync=last_micro)
@@ -455,8 +462,10 @@ class Engine:
             self.scaler.update()
         else:
             self.optimizer.step()
-        if self._resident is None:  # once, while gradients and optimizer state both exist
+        # Once, while gradients and optimizer state both exist, with the activations of this step.
+        if self._resident is None and self._steps_here >= self._measure_at:
             self._measure_resident()
+        self._steps_here += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()

@@ -7,10 +7,12 @@ tensor), so they mean the same on CPU and GPU and show what sharding and checkpo
   activations the peak, within one micro-batch's forward and backward, of the tensors held for the
               backward (ActivationMeter): what activation checkpointing cuts
 
-Measured once per run: activations on the first micro-batch, the rest after the first optimizer step,
-before the gradients are released. Memory that exists only for a moment inside a step (gathered FSDP
-parameters, temporaries, communication buffers) is not in these numbers; mem/peak_mb (CUDA max
-allocated, or RSS on CPU) covers it.
+Measured once per run (and per resumed run), on the second optimizer step this process runs (the first
+where it runs one only): activations on its first micro-batch, the rest after its optimizer step,
+before the gradients are released. Not the first step: a pipeline's also sets its stages up, and its
+first stage then holds one more micro-batch's activations than at any later step. Memory that exists
+only for a moment inside a step (gathered FSDP parameters, temporaries, communication buffers) is not
+in these numbers; mem/peak_mb (CUDA max allocated, or RSS on CPU) covers it.
 """
 
 from __future__ import annotations
@@ -163,12 +165,15 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 def _key(t: torch.Tensor) -> tuple[str, int] | None:
     """The identity of `t`'s storage (a DTensor's: its local shard's); None for a tensor with none of
-    its own (meta, another wrapper subclass)."""
+    its own (meta, another wrapper subclass). A fake tensor's (ddpexp.predict.memory runs models on
+    them) has no data pointer: its storage object's identity stands in."""
     t = _local(t)
     if t.is_meta:
         return None
     try:
         storage = t.untyped_storage()
+        if storage.device.type == "meta":
+            return "fake", storage._cdata
         return str(storage.device), storage.data_ptr()
     except (NotImplementedError, RuntimeError):
         return None
@@ -187,8 +192,11 @@ class _StoragesMade(TorchDispatchMode):
         given = {_key(t) for t in _tensors((args, kwargs))}
         for t in _tensors(out):
             key = _key(t)
-            if key is not None and key not in given:
-                self._made.setdefault(key, weakref.ref(t.untyped_storage()))
+            if key is None or key in given:
+                continue
+            known = self._made.get(key)
+            if known is None or known() is None:  # a freed storage's address (or fake identity) reused
+                self._made[key] = weakref.ref(t.untyped_storage())
         return out
 
     def alive(self) -> list[tuple[tuple[str, int], torch.UntypedStorage]]:
