@@ -51,6 +51,13 @@ class Precision(Enum):
     bf16 = "bf16"  # autocast to bfloat16 (CPU and GPU)
     fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
 
+    @classmethod
+    def of(cls, value: Any) -> Precision:
+        """The member a setting names: as composed (a member), or as a saved config.yaml has it (a name)."""
+        if isinstance(value, str) and value in cls.__members__:
+            return cls[value]
+        return cls(value)
+
 
 class Mode(StrEnum):
     train = "train"

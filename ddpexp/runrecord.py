@@ -86,6 +86,12 @@ class RunRecord:
         return self.path.parent
 
     @property
+    def memory_per_rank(self) -> list[dict[str, Any]]:
+        """Every rank's measured bytes by category (mem/*_mb), in rank order; [] if not measured."""
+        ranks = self.raw.get("memory_per_rank")
+        return [_dict(r) for r in ranks] if isinstance(ranks, list) else []
+
+    @property
     def lost(self) -> bool:
         """Whether the file says `running` of a run whose owner is gone (read as CRASHED)."""
         return self.status == CRASHED and self.raw.get("status") == "running"

@@ -54,6 +54,7 @@ FILE_SECONDS = {
     "test_local_sgd_diloco": 68,  # measured alone (-p no:xdist) on 2026-11-26, load 3-5
     "test_lm": 47,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by other runs (load 4.5)
     "test_compare": 39,
+    "test_memory_model": 36,
     "test_faults_directories": 35,
     "test_architecture": 33,
     "test_ps": 32,

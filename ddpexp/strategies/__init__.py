@@ -19,8 +19,9 @@ What the contract covers, in the order a run uses it:
   in each worker      wrap -> Wrapped, build_optimizer
   checkpoints         model_state / load_model_state, optimizer_state / load_optimizer_state: full,
                       unsharded state in plain containers, whatever the strategy holds per rank
-  cost model          communication (what it sends per optimizer step, as `Collective`s) and
-                      compute_share (its share of the step's compute), read by ddpexp.predict
+  cost model          communication (what it sends per optimizer step, as `Collective`s),
+                      compute_share (its share of the step's compute) and held (what each rank
+                      holds of the model's states and computes, as `Held`), read by ddpexp.predict
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
 from ..tasks import Loss
-from .comm import Collective, CommMeter, Workload
+from .comm import Collective, CommMeter, Held, Workload
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -266,6 +267,12 @@ class Strategy(ABC, Generic[C]):
         """The share of one device's compute for the whole global batch that lies on a step's critical
         path at `job`'s size: 1/world by default (data parallelism, every rank a copy of the model)."""
         return 1.0 / job.world
+
+    def held(self, *, job: Workload) -> list[Held]:
+        """What each rank holds of the model's states and computes (`Held`, one per rank): by default
+        every rank a whole copy, computing one micro-batch of its 1/world share of the global batch."""
+        samples = job.global_batch / job.world / job.accumulate
+        return [Held.replica(job.model, samples)] * job.world
 
 
 _REGISTRY: dict[str, type[Strategy[Any]]] = {}

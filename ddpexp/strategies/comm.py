@@ -22,9 +22,10 @@ meter's cost (scripts/comm_meter_cost.py measures it). A collective that runs on
 (local SGD's and DiLoCo's, every H steps) is timed every time instead (`record_unsampled`), since a
 sample of one step in k would miss it or catch it by chance; it is rare enough to cost nothing.
 
-`Collective` and `Workload` (at the end) are what strategies describe their communication with for the
-cost model (`Strategy.communication`, ddpexp.predict): `Collective.counted` is what this module's
-meters count for it, so a prediction compares one for one with a measurement.
+`Collective`, `Workload` and `Held` (at the end) are what strategies describe their communication and
+memory with for the cost model (`Strategy.communication`, `Strategy.held`, ddpexp.predict):
+`Collective.counted` is what this module's meters count for it, so a prediction compares one for one
+with a measurement.
 """
 
 from __future__ import annotations
@@ -304,6 +305,38 @@ class Workload:
     def spans_nodes(self, ranks: int) -> bool:
         """Whether `ranks` consecutive ranks sit on more than one machine."""
         return self.nodes > 1 and ranks > self.procs_per_node
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one rank holds of the model's states between steps and what it computes in a step: what
+    ddpexp.predict.memory predicts its memory from. Bytes as the parameters are stored; the optimizer's
+    state is priced from `optimized` by the optimizer (SGD's momentum, Adam's two moments)."""
+
+    params: int  # mem/params_mb: the parameters (its shards) it holds
+    grads: int  # mem/grads_mb: their gradients after a step's backward
+    optimized: int  # the parameters whose optimizer state it keeps (ZeRO: its partition)
+    # Parameters alive at a step's peak where more than `params` (FSDP without resharding keeps each
+    # unit it gathered from the forward to the backward); None: `params`.
+    in_step: int | None = None
+    copies: int = 0  # further copies of parameters it keeps outside mem/* (local SGD's average)
+    # What it runs forward: parts run in turn from the model's input, the last one its own (a pipeline
+    # stage's input comes from the stages before); None: the whole model; (): nothing.
+    chain: tuple[nn.Module, ...] | None = None
+    samples: float = 0.0  # samples in one micro-batch's forward
+    in_flight: int = 1  # micro-batches whose activations are held at once (a pipeline schedule's)
+    loss: bool = True  # whether it computes the loss on its outputs
+    # How its copy of the model is split before it runs, where its activations are not the whole
+    # model's (tensor parallelism: parallelize_module on a device mesh, which the prediction makes in
+    # a fake process group of the job's world size); None: as built.
+    split: Callable[[nn.Module], None] | None = None
+
+    @classmethod
+    def replica(cls, model: nn.Module, samples: float, **changes: Any) -> Held:
+        """A whole copy of the model, every trained parameter with its gradient and optimizer state."""
+        trained = parameter_bytes(model)
+        base = {"params": all_parameter_bytes(model), "grads": trained, "optimized": trained}
+        return cls(**{**base, "samples": samples, **changes})
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

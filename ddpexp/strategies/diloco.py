@@ -42,7 +42,7 @@ import torch
 from ..checkpoint import to_cpu
 from ..errors import UserError, require_positive
 from . import Wrapped, register
-from .comm import Collective, CommMeter, Workload
+from .comm import Collective, CommMeter, Held, Workload, parameter_bytes
 from .local_sgd import (
     LocalSgd,
     LocalSgdConfig,
@@ -118,6 +118,11 @@ class Diloco(LocalSgd):
         same_start(model)
         meter = CommMeter() if measure_comm else None
         return self.wrapped(model, OuterStep(model, settings=self.settings, meter=meter))
+
+    def held(self, *, job: Workload) -> list[Held]:
+        """local_sgd's, and the outer optimizer's momentum: a copy of the trained parameters."""
+        momentum = parameter_bytes(job.model) if self.settings.outer_momentum > 0 else 0
+        return [dataclasses.replace(h, copies=h.copies + momentum) for h in super().held(job=job)]
 
     def communication(self, *, job: Workload) -> list[Collective]:
         """local SGD's (S/H bytes per step, one buffer average where the model has floating buffers),

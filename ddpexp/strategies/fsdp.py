@@ -36,7 +36,7 @@ from torch import nn
 from ..errors import UserError
 from ..models import declared_blocks
 from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
-from .comm import Collective, CommMeter, Overlap, Workload, record_when_done
+from .comm import Collective, CommMeter, Held, Overlap, Workload, all_parameter_bytes, record_when_done
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -147,6 +147,22 @@ class Fsdp(Strategy[FsdpConfig]):
             module=model, base=model, no_sync=lambda: no_grad_sync(fsdp), collective_eval=True, comm=meter
         )
 
+    def held(self, *, job: Workload) -> list[Held]:
+        """Rank r holds row chunk r of every parameter, its gradient and optimizer state (`shard_of`).
+        Without resharding each unit stays gathered from its forward to its backward, so at the step's
+        peak every parameter is whole."""
+        whole = None if self.settings.reshard_after_forward else all_parameter_bytes(job.model)
+        samples = job.global_batch / job.world / job.accumulate
+        out = []
+        for rank in range(job.world):
+            mine = [
+                (p, shard_of(p.shape, job.world, rank) * p.element_size()) for p in job.model.parameters()
+            ]
+            trained = sum(b for p, b in mine if p.requires_grad)
+            params = sum(b for _, b in mine)
+            out.append(Held(params, trained, trained, in_step=whole, samples=samples))
+        return out
+
     def communication(self, *, job: Workload) -> list[Collective]:
         """Per optimizer step, for every shard unit (the model's blocks, then the root with the rest):
         one all-gather of its parameters for each micro-batch's forward, again for the backward with
@@ -248,6 +264,19 @@ def unit_shards(
     holds it, where not its own (a tensor-parallel split)."""
     sizes = (_shard_bytes(ps, ranks, element_size, shapes or {}) for ps in units)
     return [b for b in sizes if b]
+
+
+def chunk_len(n: int, ranks: int, rank: int) -> int:
+    """Length of `rank`'s chunk when `n` splits over `ranks` as torch.chunk splits it (ceil(n/W) each,
+    the last ranks' shorter or empty): how FSDP2 and DTensor's Shard split a dimension."""
+    size = math.ceil(n / ranks)
+    return max(0, min(size, n - rank * size))
+
+
+def shard_of(shape: Any, ranks: int, rank: int) -> int:
+    """Elements of `rank`'s row chunk (FSDP2's shard) of a tensor of `shape` over `ranks`."""
+    shape = tuple(shape) or (1,)
+    return chunk_len(shape[0], ranks, rank) * math.prod(shape[1:])
 
 
 def sharded_traffic(

@@ -39,6 +39,7 @@ may skip a step on one rank alone, and the synchronisations would fall out of st
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
 from . import FP16_OWN_STEPS, Strategy, Wrapped, register
-from .comm import Collective, CommMeter, Workload, parameter_bytes, tensor_bytes
+from .comm import Collective, CommMeter, Held, Workload, all_parameter_bytes, parameter_bytes, tensor_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -126,6 +127,11 @@ class LocalSgd(Strategy[LocalSgdConfig]):
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         _periodic(wrapped).load_optimizer_state(optimizer, state, key=self.name)
+
+    def held(self, *, job: Workload) -> list[Held]:
+        """ddp's, and the global model: one more copy of the parameters on every rank."""
+        copies = all_parameter_bytes(job.model)
+        return [dataclasses.replace(h, copies=copies) for h in super().held(job=job)]
 
     def communication(self, *, job: Workload) -> list[Collective]:
         return periodic_communication(job, every=self.settings.sync_every, what="parameter average")

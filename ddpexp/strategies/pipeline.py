@@ -49,7 +49,7 @@ from ..config import StrategyConfig
 from ..errors import UserError, require_positive
 from ..optim import OptimizerSpec
 from . import FP16_OWN_STEP, ReportColumn, Strategy, Wrapped, register
-from .comm import Collective, CommMeter, Workload
+from .comm import Collective, CommMeter, Held, Workload
 from .ddp_mp import boundary_bytes, group, model_stages, refuse_ties_across
 from .fsdp import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 
@@ -139,6 +139,18 @@ class Pipeline(Strategy[PipelineConfig]):
         replicas = _replicas(self.settings, job.world)
         return (m + p - 1) / (m * p * replicas)
 
+    def held(self, *, job: Workload) -> list[Held]:
+        """Each rank its stage's part of the model (rank = replica x stages + stage), `stage_held`."""
+        s = self.settings
+        parts = group(model_stages(job.model), s.stages)
+        samples = job.global_batch / s.replicas / job.accumulate / s.microbatches
+        return [
+            stage_held(
+                parts, rank % s.stages, samples=samples, microbatches=s.microbatches, schedule=s.schedule
+            )
+            for rank in range(job.world)
+        ]
+
     def communication(self, *, job: Workload) -> list[Collective]:
         """Activations forward and their gradients backward across the widest stage boundary, one
         transfer per micro-batch slot of the schedule: 2(m + p - 1) on the critical path, each waited
@@ -193,6 +205,19 @@ class Pipeline(Strategy[PipelineConfig]):
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         _runner(wrapped).load_optimizer_state(optimizer, state)
+
+
+def stage_held(
+    parts: list[nn.Module], stage: int, *, samples: float, microbatches: int, schedule: Schedule
+) -> Held:
+    """What the rank running `stage` of `parts` holds and computes: its part's parameters, and the
+    activations of the micro-batches its schedule keeps in flight: GPipe all of them (every forward
+    before any backward), 1F1B those of its warm-up, min(m, stages - stage)."""
+    in_flight = microbatches if schedule == Schedule("gpipe") else min(microbatches, len(parts) - stage)
+    last = stage == len(parts) - 1
+    return Held.replica(
+        parts[stage], samples, chain=tuple(parts[: stage + 1]), in_flight=in_flight, loss=last
+    )
 
 
 def check_microbatches(plan: Plan, micro: int, schedule: Schedule, stages: int) -> None:

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +86,7 @@ from ..config import StrategyConfig
 from ..errors import UserError
 from ..optim import OptimizerSpec
 from . import FP16_OWN_STEP, ReportColumn, Strategy, Wrapped, register
-from .comm import Collective, CommMeter, Workload
+from .comm import Collective, CommMeter, Held, Workload
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -215,6 +215,15 @@ class Ps(Strategy[PsConfig]):
 
     def compute_share(self, *, job: Workload) -> float:
         return 1.0 / max(job.world - 1, 1)  # the server computes nothing; W-1 workers split the batch
+
+    def held(self, *, job: Workload) -> list[Held]:
+        """The server the model with its gradients and optimizer state, computing nothing; each worker
+        the parameters only (it hands its gradients to the server and drops them; its optimizer is a
+        stand-in with no state) and global/(W-1) samples."""
+        workers = max(job.world - 1, 1)
+        server = replace(Held.replica(job.model, 0.0), chain=(), loss=False)
+        worker = Held.replica(job.model, job.global_batch / workers / job.accumulate, grads=0, optimized=0)
+        return [server, *[worker] * (job.world - 1)]
 
     def load_model_state(self, wrapped: Wrapped, state: dict[str, torch.Tensor]) -> None:
         wrapped.base.load_state_dict(state)

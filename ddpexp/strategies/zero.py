@@ -11,12 +11,12 @@ state and keeps its own shard. So a zero checkpoint resumes under ddp or single,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..optim import OptimizerSpec
 from . import Wrapped, register
-from .comm import Collective, Workload, all_parameter_bytes, timed_call
+from .comm import Collective, Held, Workload, all_parameter_bytes, tensor_bytes, timed_call
 from .ddp import Ddp, DdpConfig, ddp_communication, warn_powersgd_restarts
 
 if TYPE_CHECKING:
@@ -61,6 +61,17 @@ class Zero(Ddp):
         # ZeroRedundancyOptimizer keeps its own shard of the full state and overwrites the entries of
         # the others' with None: give it a copy, not the checkpoint's dict.
         _zero(optimizer).load_state_dict({**state, "state": dict(state["state"])})
+
+    def held(self, *, job: Workload) -> list[Held]:
+        """ddp's, but each rank keeps the optimizer state of its partition only: ZeroRedundancyOptimizer
+        hands the parameters out largest first, each to the rank holding the fewest elements so far
+        (the lowest such rank on a tie)."""
+        sizes, owned = [0] * job.world, [0] * job.world
+        for p in sorted(job.model.parameters(), key=lambda t: t.numel(), reverse=True):
+            rank = sizes.index(min(sizes))
+            sizes[rank] += p.numel()
+            owned[rank] += tensor_bytes([p]) if p.requires_grad else 0
+        return [replace(h, optimized=b) for h, b in zip(super().held(job=job), owned, strict=True)]
 
     def communication(self, *, job: Workload) -> list[Collective]:
         """ddp's (the metered gradient all-reduce, the same bytes), then ZeroRedundancyOptimizer's

@@ -46,23 +46,25 @@ from torch import nn
 from ...config import StrategyConfig
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
-from ..comm import Collective, CommMeter, Overlap, Workload
+from ..comm import Collective, CommMeter, Held, Overlap, Workload
 from ..ddp_mp import boundary_bytes, group, model_stages
 from ..fsdp import (
+    chunk_len,
     full_model_state,
     full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
     metered_collectives,
     no_grad_sync,
+    shard_of,
     sharded_traffic,
     unit_params,
     unit_shards,
     units_and_ties,
 )
-from ..pipeline import Schedule, StageLayout, StageRunner, check_microbatches, check_stages
+from ..pipeline import Schedule, StageLayout, StageRunner, check_microbatches, check_stages, stage_held
 from . import tensor_parallel
-from .degrees import Degrees, resolve
+from .degrees import NAMES, Degrees, resolve
 
 if TYPE_CHECKING:
     from ...context import RunContext
@@ -146,13 +148,9 @@ class Nd(Strategy[NdConfig]):
         from torch.distributed.device_mesh import init_device_mesh
 
         degrees = self.degrees(ctx.world_size)
-        names = ("pp", "dp_replicate", "dp_shard", "tp")
-        mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=names)
+        mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=NAMES)
         at = degrees.coordinates(ctx.rank)
-        plan: dict[str, Any] = {}
-        if degrees.tp > 1:
-            sp = self.settings.sequence_parallel
-            plan = tensor_parallel.plan_of(model, tp=degrees.tp, sequence_parallel=sp)
+        plan = self._plan(model, degrees)
         dp_mesh = mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
         # With stages, FSDP keeps the gathered parameters for all micro-batches (torchtitan's default).
         reshard = self.settings.reshard_after_forward and degrees.pp == 1
@@ -257,6 +255,68 @@ class Nd(Strategy[NdConfig]):
         degrees = self.degrees(job.world)
         return 1.0 / (degrees.dp * degrees.tp * degrees.pp)
 
+    def held(self, *, job: Workload) -> list[Held]:
+        """Each rank its stage's part (pipeline's `stage_held`, with pp > 1), each parameter of it as
+        the rank holds it: its chunk on the dimension tensor parallelism splits it on, of that its row
+        chunk over dp_shard (FSDP; HSDP's groups hold the same). Without resharding FSDP keeps the
+        gathered parameters through the step. With tensor parallelism its activations are those of
+        the model split as `wrap` splits it (`split`)."""
+        degrees = self.degrees(job.world)
+        dims = tensor_parallel.split_dims(job.model, self._plan(job.model, degrees))
+        stages = group(model_stages(job.model), degrees.pp) if degrees.pp > 1 else [job.model]
+        chunks = self.settings.microbatches if degrees.pp > 1 else 1
+        samples = job.global_batch / degrees.dp / job.accumulate / chunks
+        gathered = not self.settings.reshard_after_forward or degrees.pp > 1
+        out = []
+        for rank in range(job.world):
+            at = degrees.coordinates(rank)
+            part = stages[at["pp"]]
+            whole = sharded = trained = 0
+            for p in part.parameters():
+                shape = list(p.shape) or [1]
+                if id(p) in dims:
+                    shape[dims[id(p)]] = chunk_len(shape[dims[id(p)]], degrees.tp, at["tp"])
+                local = math.prod(shape) * p.element_size()
+                mine = shard_of(shape, degrees.dp_shard, at["dp_shard"]) * p.element_size()
+                whole, sharded = whole + local, sharded + mine
+                trained += mine if p.requires_grad else 0
+            if degrees.pp > 1:
+                s = self.settings
+                base = stage_held(stages, at["pp"], samples=samples, microbatches=chunks, schedule=s.schedule)
+            else:
+                base = Held.replica(job.model, samples)
+            in_step = whole if gathered and degrees.dp_shard > 1 else None
+            out.append(
+                replace(
+                    base,
+                    params=sharded,
+                    grads=trained,
+                    optimized=trained,
+                    in_step=in_step,
+                    split=self._tensor_split(degrees) if degrees.tp > 1 else None,
+                )
+            )
+        return out
+
+    def _tensor_split(self, degrees: Degrees) -> Callable[[nn.Module], None]:
+        """Tensor parallelism's split of a model, on this job's mesh (of the process group in force)."""
+
+        def split(model: nn.Module) -> None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", degrees.shape, mesh_dim_names=NAMES)
+            tensor_parallel.apply(model, mesh["tp"], self._plan(model, degrees))
+
+        return split
+
+    def _plan(self, model: nn.Module, degrees: Degrees) -> dict[str, Any]:
+        """The model's tensor-parallel plan for these degrees ({} without tensor parallelism)."""
+        if degrees.tp == 1:
+            return {}
+        return tensor_parallel.plan_of(
+            model, tp=degrees.tp, sequence_parallel=self.settings.sequence_parallel
+        )
+
     def communication(self, *, job: Workload) -> list[Collective]:
         """Per optimizer step: tensor parallelism's collectives (tensor_parallel.communication, from
         the model's plan and the shapes of one micro-batch's forward on the meta device), FSDP's over
@@ -271,11 +331,8 @@ class Nd(Strategy[NdConfig]):
         pp, chunks = degrees.pp, self.settings.microbatches if degrees.pp > 1 else 1
         passes = job.accumulate * chunks  # forward and backward passes per optimizer step
         out: list[Collective] = []
-        plan: dict[str, Any] = {}
+        plan = self._plan(job.model, degrees)
         if degrees.tp > 1:
-            plan = tensor_parallel.plan_of(
-                job.model, tp=degrees.tp, sequence_parallel=self.settings.sequence_parallel
-            )
             out += tensor_parallel.communication(
                 job.model,
                 plan,

@@ -220,27 +220,36 @@ def _module_shapes(
 
 
 def local_shapes(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[int, tuple[int, ...]]:
-    """The shape each parameter the plan splits has on one rank (by id): a column-wise Linear's weight
-    and bias split on dim 0 (an Embedding's weight on dim 1), a row-wise Linear's weight on dim 1 (its
-    bias whole), a row-wise Embedding's weight on dim 0. Parameters it does not split are absent."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
+    """The shape each parameter the plan splits has on one rank (by id; the largest, rank 0's);
+    parameters it does not split are absent."""
     out: dict[int, tuple[int, ...]] = {}
-
-    def split(p: Any, dim: int) -> None:
-        if isinstance(p, torch.Tensor):
+    dims = split_dims(model, plan)
+    for p in model.parameters():
+        dim = dims.get(id(p))
+        if dim is not None:
             shape = list(p.shape)
             shape[dim] = -(-shape[dim] // tp)
             out[id(p)] = tuple(shape)
+    return out
 
+
+def split_dims(model: nn.Module, plan: dict[str, Any]) -> dict[int, int]:
+    """The dimension the plan splits each parameter on (by id): a column-wise Linear's weight and bias
+    on dim 0 (an Embedding's weight on dim 1), a row-wise Linear's weight on dim 1 (its bias whole), a
+    row-wise Embedding's weight on dim 0. Parameters it does not split are absent."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out: dict[int, int] = {}
     for path, style in plan.items():
         module = model.get_submodule(path)
         embedding = isinstance(module, nn.Embedding)
+        bias = getattr(module, "bias", None)
         if isinstance(style, ColwiseParallel):
-            split(module.weight, 1 if embedding else 0)
-            split(getattr(module, "bias", None), 0)
+            out[id(module.weight)] = 1 if embedding else 0
+            if isinstance(bias, torch.Tensor):
+                out[id(bias)] = 0
         elif isinstance(style, RowwiseParallel):
-            split(module.weight, 0 if embedding else 1)
+            out[id(module.weight)] = 0 if embedding else 1
     return out
 
 
