@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
     except UserError as exc:
         print(f"ddpexp: error: {exc}", file=sys.stderr)
         sys.exit(UserError.exit_code)
+    if argv[:1] == ["plan"]:  # `ddpexp plan ...`: the planner's own command line
+        from .planner import main as plan
+
+        sys.exit(plan(argv[1:]))
     args, unknown = get_args_parser().parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=", 1)[0]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 # Listed first, in this order; any other group folder in conf/ (except hydra) follows alphabetically.
 PREFERRED = ("strategy", "model", "data", "optim")
-# conf/ folders that are not training config groups: ddpexp-predict's interconnect profiles.
-NOT_GROUPS = ("hydra", "__pycache__", "interconnect")
+# conf/ folders that are not training config groups: ddpexp-predict's interconnect profiles and
+# ddpexp plan's cluster profiles.
+NOT_GROUPS = ("hydra", "__pycache__", "interconnect", "cluster")
 
 USAGE = """\
 ddpexp: compare distributed training strategies on one model, from Hydra configs.
@@ -19,6 +20,8 @@ Usage:
   python -m ddpexp -m strategy=single,ddp [key=value ...]   a sweep (one job per combination)
   torchrun --nproc_per_node=2 -m ddpexp strategy=ddp        as workers of an external launcher
   python -m ddpexp.commbench [key=value ...]                the collective benchmark (its own --help)
+  python -m ddpexp plan --cluster 8xh100_sxm [key=value ...] strategies ranked for a cluster (--help)
+  python -m ddpexp.predict.memory [key=value ...]           memory per rank, predicted
 
 Config groups (pick one option each, e.g. strategy=ddp):
 {groups}

@@ -1,0 +1,205 @@
+"""`ddpexp plan`: the command line (the package's docstring says what it does)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import UserError
+from .estimate import Estimate, candidates, estimate, job_of
+from .profiles import GIB, Cluster, cluster_names, load_cluster
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddpexp plan",
+        description="Rank every strategy and mesh for a model on a cluster you are about to rent: fits, "
+        "step time, tokens/s, MFU, and time and cost to a target.",
+        epilog="Other arguments are ddpexp's overrides (model=..., data=..., trainer.batch_size=...).",
+    )
+    p.add_argument(
+        "--cluster", required=True, help=f"a profile ({', '.join(cluster_names())}) or a YAML file"
+    )
+    p.add_argument("--nodes", type=int, help="nodes of the profile's size (default: the profile's)")
+    p.add_argument("--price", type=float, help="USD per device and hour (default: the profile's)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--tokens", type=float, help="train this many tokens (e.g. 1e9)")
+    target.add_argument("--epochs", type=float, help="train this many epochs of the dataset")
+    p.add_argument("--by", choices=("cost", "time"), default="cost", help="sort by cost or by time")
+    p.add_argument("--format", choices=("table", "md", "csv", "json"), default="table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, overrides = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        print(f"ddpexp plan: error: {flags[0]} is not an option (ddpexp plan --help)", file=sys.stderr)
+        return UserError.exit_code
+    try:
+        results, cluster, job = plan(args, overrides)
+    except UserError as exc:
+        print(f"ddpexp plan: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(render(results, cluster, args, job), end="")
+    return 0
+
+
+def plan(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Estimate], Cluster, Any]:
+    from .. import composition
+    from ..predict.interconnect import fabric
+
+    cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
+    with composition.composer() as compose:
+        cfg = compose(overrides)
+    job = job_of(cfg, tokens=args.tokens if args.epochs is None else None, epochs=args.epochs)
+    links = fabric(cluster.interconnect)
+    results = [estimate(c, job, cluster, links) for c in candidates(cluster, job.stages)]
+    if not any(r.fits for r in results):
+        runnable = [r for r in results if r.note is None]
+        if not runnable:
+            raise UserError(results[0].note or "no strategy runs this job", setting="trainer.batch_size")
+        least = min(runnable, key=lambda r: r.peak_bytes)
+        need, usable = least.peak_bytes / GIB, cluster.usable_bytes / GIB
+        raise UserError(
+            f"no strategy fits on {cluster.devices} x {cluster.device}: the leanest, "
+            f"{least.candidate.label}, needs {need:,.2f} GiB per rank of the {usable:,.2f} usable",
+            setting="--nodes",
+            fix=f"rent more devices (--nodes {2 * cluster.nodes}), a smaller trainer.batch_size, or "
+            "trainer.activation_checkpointing=full",
+        )
+    key = (lambda r: r.cost) if args.by == "cost" else (lambda r: r.time_s if job.target_tokens else r.step_s)
+    results.sort(key=lambda r: (r.note is not None, not r.fits, key(r) if r.note is None else 0.0))
+    return results, cluster, job
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min"
+
+
+HEAD = [
+    "plan",
+    "fits",
+    "GiB/rank",
+    "step s",
+    "tokens/s",
+    "MFU",
+    "GB/step node",
+    "GB/step net",
+    "time",
+    "cost $",
+]
+
+
+def _row(r: Estimate, cluster: Cluster) -> list[str]:
+    if r.note is not None:
+        return [r.candidate.label, "-", "-", "-", "-", "-", "-", "-", "-", r.note]
+    fits = "yes" if r.fits else f"no: {r.largest}"
+    return [
+        r.candidate.label,
+        fits,
+        f"{r.peak_bytes / GIB:,.1f}",
+        f"{r.step_s:.3f}",
+        f"{r.tokens_per_s:,.0f}",
+        f"{r.mfu:.1%}",
+        f"{r.bytes_intra / 1e9:,.2f}",
+        f"{r.bytes_inter / 1e9:,.2f}",
+        _duration(r.time_s),
+        "-" if not math.isfinite(r.cost) else f"{r.cost:,.2f}" if r.cost < 100 else f"{r.cost:,.0f}",
+    ]
+
+
+def _record(r: Estimate) -> dict[str, Any]:
+    fields = {
+        "plan": r.candidate.label,
+        "overrides": r.candidate.overrides,
+        "note": r.note,
+        "fits": r.fits,
+        "peak_gib_per_rank": r.peak_bytes / GIB,
+        "largest_category": r.largest,
+        "step_s": r.step_s,
+        "compute_s": r.compute_s,
+        "exposed_comm_s": r.exposed_s,
+        "tokens_per_s": r.tokens_per_s,
+        "mfu": r.mfu,
+        "bytes_per_step_intra_node": r.bytes_intra,
+        "bytes_per_step_inter_node": r.bytes_inter,
+        "steps": r.steps,
+        "time_s": r.time_s,
+        "cost_usd": r.cost,
+    }
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+
+
+def render(results: list[Estimate], cluster: Cluster, args: argparse.Namespace, job: Any) -> str:
+    if args.format == "json":
+        return json.dumps({"cluster": cluster.name, "plans": [_record(r) for r in results]}, indent=2) + "\n"
+    rows = [_row(r, cluster) for r in results]
+    if args.format == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerows([HEAD, *rows])
+        return out.getvalue()
+    if args.format == "md":
+        table = "\n".join(
+            [
+                "| " + " | ".join(HEAD) + " |",
+                "|" + "---|" * len(HEAD),
+                *("| " + " | ".join(r) + " |" for r in rows),
+            ]
+        )
+    else:
+        widths = [max(len(x) for x in col) for col in zip(HEAD, *rows, strict=True)]
+        table = "\n".join(
+            "  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
+            for line in [HEAD, *rows]
+        )
+    target = (
+        f"{job.target_tokens:,.0f} tokens"
+        if job.target_tokens
+        else "no target (--tokens N for time and cost)"
+    )
+    head = (
+        f"{cluster.devices} x {cluster.device} ({cluster.nodes} node(s), {cluster.interconnect}), "
+        f"${cluster.price_per_device_hour:g} per device-hour, {cluster.achieved_mfu:.0%} of peak assumed; "
+        f"global batch {job.global_batch} x {job.seq_len} tokens; to {target}"
+    )
+    return f"{head}\n{table}\n\n{advice(results, args.by)}\n"
+
+
+def advice(results: list[Estimate], by: str) -> str:
+    """The recommendation and the runner-up, a sentence each."""
+    fitting = [r for r in results if r.note is None and r.fits]
+    best = fitting[0]
+    what = "cheapest" if by == "cost" else "fastest"
+
+    def why(r: Estimate) -> str:
+        share = r.exposed_s / r.step_s if r.step_s else 0.0
+        return (
+            f"{r.peak_bytes / GIB:,.1f} GiB per rank (most of it {r.largest}), "
+            f"{share:.0%} of its step waiting for communication"
+        )
+
+    lines = [
+        f"Recommended: {best.candidate.label} ({' '.join(best.candidate.overrides)}), the {what} of the "
+        f"{len(fitting)} plans that fit: {why(best)}."
+    ]
+    if len(fitting) > 1:
+        second = fitting[1]
+        slower = second.step_s / best.step_s - 1
+        dearer = second.cost - best.cost
+        extra = f", ${dearer:,.2f} more" if math.isfinite(dearer) else ""
+        lines.append(f"Runner-up: {second.candidate.label}, {slower:+.0%} step time{extra}: {why(second)}.")
+    return "\n".join(lines)

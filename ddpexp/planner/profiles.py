@@ -1,0 +1,137 @@
+"""Cluster profiles (conf/cluster/*.yaml): the devices a plan is for, their links and their price."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+
+GIB = 2**30
+PEAK_KINDS = ("bf16", "tf32", "fp32")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    about: str  # the file's first comment line
+    devices_per_node: int
+    nodes: int
+    device: str
+    memory_gib: float
+    peak_tflops: dict[str, float]  # dense, by what the matmuls run in
+    intra: str  # conf/interconnect profiles
+    inter: str | None
+    achieved_mfu: float
+    reserve_gib: float
+    price_per_device_hour: float
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.reserve_gib) * GIB
+
+    @property
+    def interconnect(self) -> str:
+        return self.intra if self.inter is None else f"{self.intra},{self.inter}"
+
+
+def cluster_dir() -> Path:
+    from ..composition import conf_dir
+
+    return Path(conf_dir()) / "cluster"
+
+
+def cluster_names() -> list[str]:
+    return sorted(p.stem for p in cluster_dir().glob("*.yaml"))
+
+
+def load_cluster(name: str, *, nodes: int | None = None, price: float | None = None) -> Cluster:
+    """The profile `name` (a conf/cluster option, or a YAML file), with `nodes` and `price` (per device
+    and hour) replacing its own where given; a missing or wrong field is one line naming it."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else cluster_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"no cluster profile {name!r}",
+            setting="--cluster",
+            fix=f"one of {', '.join(cluster_names())}, or a YAML file of the same fields",
+        )
+    from omegaconf import OmegaConf
+
+    text = path.read_text()
+    raw: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    about = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), "")
+    fields = _Fields(raw if isinstance(raw, dict) else {}, path)
+    device = _Fields(fields.mapping("device"), path, "device.")
+    peaks = device.mapping("peak_tflops")
+    for kind in PEAK_KINDS:
+        _Fields(peaks, path, "device.peak_tflops.").positive(kind)
+    cluster = Cluster(
+        name=path.stem,
+        about=about,
+        devices_per_node=int(fields.positive("devices_per_node")),
+        nodes=int(fields.positive("nodes")) if nodes is None else nodes,
+        device=str(device.value("name")),
+        memory_gib=device.positive("memory_gib"),
+        peak_tflops={kind: float(peaks[kind]) for kind in PEAK_KINDS},
+        intra=str(fields.value("intra")),
+        inter=None if raw.get("inter") is None else str(raw["inter"]),
+        achieved_mfu=fields.positive("achieved_mfu"),
+        reserve_gib=float(raw.get("reserve_gib") or 0.0),
+        price_per_device_hour=fields.positive("price_per_device_hour") if price is None else price,
+    )
+    if cluster.achieved_mfu > 1:
+        raise UserError(
+            f"achieved_mfu is a share of the peak, got {cluster.achieved_mfu}",
+            setting=f"{path.name}: achieved_mfu",
+            fix="give 0..1 (0.3-0.5 is usual for large transformers)",
+        )
+    if not cluster.price_per_device_hour > 0 or not math.isfinite(cluster.price_per_device_hour):
+        raise UserError(
+            f"the price per device and hour must be positive, got {cluster.price_per_device_hour}",
+            setting="--price" if price is not None else f"{path.name}: price_per_device_hour",
+            fix="give what one device costs you per hour, e.g. --price 2.49",
+        )
+    if cluster.nodes < 1:
+        raise UserError(f"{cluster.nodes} nodes", setting="--nodes", fix="give 1 or more")
+    if cluster.nodes > 1 and cluster.inter is None:
+        raise UserError(
+            f"{path.name} names no link between nodes, and the plan is for {cluster.nodes}",
+            setting=f"{path.name}: inter",
+            fix="set inter: to a conf/interconnect profile (ib400, eth25...), or plan for --nodes 1",
+        )
+    return cluster
+
+
+class _Fields:
+    """A profile's mapping, read with one clear line for what is missing or wrong."""
+
+    def __init__(self, raw: dict[str, Any], path: Path, prefix: str = "") -> None:
+        self.raw, self.path, self.prefix = raw, path, prefix
+
+    def _missing(self, key: str, what: str) -> UserError:
+        return UserError(
+            f"{what}", setting=f"{self.path.name}: {self.prefix}{key}", fix="see conf/cluster/8xh100_sxm.yaml"
+        )
+
+    def value(self, key: str) -> Any:
+        if self.raw.get(key) is None:
+            raise self._missing(key, "missing")
+        return self.raw[key]
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        found = self.value(key)
+        if not isinstance(found, dict):
+            raise self._missing(key, f"must be a mapping, got {found!r}")
+        return found
+
+    def positive(self, key: str) -> float:
+        found = self.value(key)
+        if isinstance(found, bool) or not isinstance(found, int | float) or not found > 0:
+            raise self._missing(key, f"must be a positive number, got {found!r}")
+        return float(found)

@@ -1,0 +1,99 @@
+"""`ddpexp plan`: every strategy and mesh for a model on a rented cluster, whether it fits, how fast and
+at what cost; and its refusals of what cannot be planned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import run_here
+
+GPT = ["model=gpt_small", "data=synthetic_tokens", "task=lm", "optim=adamw", "trainer.precision=bf16"]
+
+
+def plan(tmp_path: Path, *args: str):
+    return run_here(tmp_path, "plan", *GPT, "trainer.batch_size=64", *args)
+
+
+def test_a_plan_ranks_every_strategy_and_mesh_by_cost_with_time_and_cost_to_the_target(tmp_path: Path):
+    result = plan(tmp_path, "--cluster", "8xh100_sxm", "--tokens", "1e9", "--format", "json")
+    assert result.returncode == 0, result
+    plans = json.loads(result.stdout)["plans"]
+    labels = [p["plan"] for p in plans]
+    # the data-parallel strategies, nd's meshes (tp within the node, pipeline stages) and pipeline's
+    assert {"ddp", "zero", "fsdp", "fsdp_no_reshard", "nd fsdp4 x tp2 sp", "nd pp2 x fsdp4"} <= set(labels)
+    assert any(label.startswith("pipeline 2 stages") for label in labels)
+    fitting = [p for p in plans if p["fits"]]
+    assert fitting and [p["cost_usd"] for p in fitting] == sorted(p["cost_usd"] for p in fitting)
+    for p in fitting:
+        tokens_per_step = 64 * 128  # gpt_small's block of 128 tokens
+        assert p["steps"] == -(-1e9 // tokens_per_step)
+        assert p["time_s"] == pytest.approx(p["steps"] * p["step_s"])
+        assert p["cost_usd"] == pytest.approx(p["time_s"] / 3600 * 8 * 2.49)
+        assert p["tokens_per_s"] == pytest.approx(tokens_per_step / p["step_s"])
+        assert 0 < p["mfu"] <= 0.4  # never above the achieved share the profile assumes
+        assert p["peak_gib_per_rank"] * 2**30 <= (80 - 4) * 2**30
+    ddp, fsdp = (next(p for p in plans if p["plan"] == name) for name in ("ddp", "fsdp"))
+    assert fsdp["peak_gib_per_rank"] < ddp["peak_gib_per_rank"]  # the states sharded 8 ways
+    assert fsdp["bytes_per_step_intra_node"] > ddp["bytes_per_step_intra_node"]  # gathered twice
+
+
+def test_the_table_names_the_recommendation_and_the_runner_up(tmp_path: Path):
+    result = plan(tmp_path, "--cluster", "8xh100_sxm", "--tokens", "1e9", "--by", "time")
+    assert result.returncode == 0, result
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("8 x H100 SXM 80GB (1 node(s), nvlink4,ib400), $2.49 per device-hour")
+    assert lines[1].split()[:3] == ["plan", "fits", "GiB/rank"]
+    assert any(line.startswith("Recommended: ") and "the fastest of the" in line for line in lines)
+    assert any(line.startswith("Runner-up: ") for line in lines)
+
+
+def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tmp_path: Path):
+    profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "4xl40s_pcie.yaml").read_text()
+    small = tmp_path / "small.yaml"  # 4 devices of 10 MiB
+    small.write_text(
+        profile.replace("memory_gib: 48", "memory_gib: 0.01").replace("reserve_gib: 3", "reserve_gib: 0")
+    )
+    result = plan(tmp_path, "--cluster", str(small))
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("ddpexp plan: error: --nodes: no strategy fits on 4 x L40S 48GB: the leanest, ")
+    assert "GiB per rank of the 0.01 usable (fix: rent more devices (--nodes 2)" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--cluster", "nosuch"], "--cluster: no cluster profile 'nosuch' (fix: one of 4xl40s_pcie, "),
+        (
+            ["--cluster", "8xh100_sxm", "--price", "0"],
+            "--price: the price per device and hour must be positive",
+        ),
+        (
+            ["--cluster", "8xh100_sxm", "--price", "-1"],
+            "--price: the price per device and hour must be positive",
+        ),
+        (
+            ["--cluster", "MISSING"],
+            "missing.yaml: device.memory_gib: missing (fix: see conf/cluster/8xh100_sxm.yaml)",
+        ),
+        (
+            ["--cluster", "8xh100_sxm", "data=digits", "task=classification"],
+            "data: the planner counts tokens",
+        ),
+        (["--cluster", "8xh100_sxm", "--nodes", "2", "--cluster", "NOINTER"], "nointer.yaml: inter: "),
+    ],
+    ids=["unknown", "zero price", "negative price", "missing field", "not tokens", "no inter-node link"],
+)
+def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], said: str):
+    profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "8xh100_sxm.yaml").read_text()
+    (tmp_path / "missing.yaml").write_text(profile.replace("  memory_gib: 80\n", ""))
+    (tmp_path / "nointer.yaml").write_text(profile.replace("inter: ib400\n", ""))
+    args = [a.replace("MISSING", str(tmp_path / "missing.yaml")) for a in args]
+    args = [a.replace("NOINTER", str(tmp_path / "nointer.yaml")) for a in args]
+    result = plan(tmp_path, *args)
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("ddpexp plan: error: ") and said in line, line
