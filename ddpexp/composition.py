@@ -36,6 +36,24 @@ def conf_dir() -> str:
     return str(importlib.resources.files("ddpexp.conf"))
 
 
+def profile_names(folder: str) -> list[str]:
+    """The profiles of conf/<folder> (interconnect, cluster): YAML files that are not config groups."""
+    return sorted(p.stem for p in (Path(conf_dir()) / folder).glob("*.yaml"))
+
+
+def profile_file(folder: str, name: str, *, setting: str, what: str) -> Path:
+    """conf/<folder>/<name>.yaml, or a YAML file of the user's given by its path; anything else is one
+    line listing the choices."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else Path(conf_dir()) / folder / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"no {what} {name!r}",
+            setting=setting,
+            fix=f"one of {', '.join(profile_names(folder))} (conf/{folder}/), or a YAML file's path",
+        )
+    return path
+
+
 def search_path_override(config_dir: str | None) -> list[str]:
     """`--config-dir DIR`: the user's folder joins the config search path (after ddpexp's own)."""
     if not config_dir:

@@ -342,7 +342,9 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     run = make_run(tmp_path)
     assert "RUN_DIR" in _refused(capsys, str(tmp_path / "nowhere"), "--interconnect", "nvlink4")
-    assert "choose one of" in _refused(capsys, str(run), "--interconnect", "nvlink9")
+    assert "no interconnect 'nvlink9' (fix: one of eth10, " in _refused(
+        capsys, str(run), "--interconnect", "nvlink9"
+    )
     assert "--commbench" in _refused(capsys, str(run))  # no interconnect at all
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -41,30 +41,22 @@ class Cluster:
         return self.intra if self.inter is None else f"{self.intra},{self.inter}"
 
 
-def cluster_dir() -> Path:
-    from ..composition import conf_dir
-
-    return Path(conf_dir()) / "cluster"
-
-
 def cluster_names() -> list[str]:
-    return sorted(p.stem for p in cluster_dir().glob("*.yaml"))
+    from ..composition import profile_names
+
+    return profile_names("cluster")
 
 
 def load_cluster(name: str, *, nodes: int | None = None, price: float | None = None) -> Cluster:
     """The profile `name` (a conf/cluster option, or a YAML file), with `nodes` and `price` (per device
     and hour) replacing its own where given; a missing or wrong field is one line naming it."""
-    path = Path(name) if name.endswith((".yaml", ".yml")) else cluster_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise UserError(
-            f"no cluster profile {name!r}",
-            setting="--cluster",
-            fix=f"one of {', '.join(cluster_names())}, or a YAML file of the same fields",
-        )
-    from omegaconf import OmegaConf
+    import yaml
 
+    from ..composition import profile_file
+
+    path = profile_file("cluster", name, setting="--cluster", what="cluster profile")
     text = path.read_text()
-    raw: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    raw: Any = yaml.safe_load(text) or {}
     about = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), "")
     fields = _Fields(raw if isinstance(raw, dict) else {}, path)
     device = _Fields(fields.mapping("device"), path, "device.")

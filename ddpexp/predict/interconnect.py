@@ -4,12 +4,12 @@ a `Collective` into time on it, and the links a prediction uses (`Fabric`), from
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import composition
 from ..commbench import bus_factor
 from ..errors import UserError
 from ..strategies.comm import COLLECTIVE_OPS, Collective
@@ -79,12 +79,8 @@ class Fabric:
 # ------------------------------------------------------------------------------------------ fabrics
 
 
-def profile_dir() -> Path:
-    return Path(str(importlib.resources.files("ddpexp.conf"))) / "interconnect"
-
-
 def profile_names() -> list[str]:
-    return sorted(p.stem for p in profile_dir().glob("*.yaml"))
+    return composition.profile_names("interconnect")
 
 
 @dataclass(frozen=True)
@@ -100,13 +96,7 @@ def load_profile(name: str) -> Profile:
     """conf/interconnect/NAME.yaml, or a YAML file of yours given by its path."""
     import yaml
 
-    path = Path(name) if name.endswith((".yaml", ".yml")) else profile_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise UserError(
-            f"unknown interconnect {name!r}",
-            setting="--interconnect",
-            fix=f"choose one of: {', '.join(profile_names())} (conf/interconnect/), or a YAML file's path",
-        )
+    path = composition.profile_file("interconnect", name, setting="--interconnect", what="interconnect")
     text = path.read_text()
     spec = yaml.safe_load(text) or {}
     try:
