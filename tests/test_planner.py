@@ -4,9 +4,16 @@ at what cost; and its refusals of what cannot be planned."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
+
+from ddpexp.planner.estimate import preflight
+from ddpexp.planner.profiles import load_cluster
 
 from .conftest import run_here
 
@@ -97,3 +104,60 @@ def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], sai
     assert result.returncode == 2, result
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("ddpexp plan: error: ") and said in line, line
+
+
+def _ddpexp_args(line: str) -> list[str]:
+    """The ddpexp arguments of a torchrun command line."""
+    words = shlex.split(line.replace("\\\n", " "))
+    return words[words.index("ddpexp") + 1 :]
+
+
+@pytest.mark.parametrize("kind", ["torchrun", "slurm", "skypilot"])
+def test_the_emitted_file_runs_the_recommended_plan_and_its_command_passes_preflight(
+    tmp_path: Path, kind: str
+):
+    out = tmp_path / f"emitted.{kind}"
+    result = plan(
+        tmp_path,
+        "--cluster",
+        "8xh100_sxm",
+        "--nodes",
+        "2",
+        "--tokens",
+        "1e9",
+        "--emit",
+        kind,
+        "--emit-to",
+        str(out),
+    )
+    assert result.returncode == 0, result
+    recommended = next(line for line in result.stdout.splitlines() if line.startswith("Recommended: "))
+    label, rest = recommended.removeprefix("Recommended: ").split(" (", 1)
+    chosen = rest.split(")", 1)[0].split()  # its overrides
+    assert result.stdout.strip().endswith(f"wrote {out}: {label}, {kind}")
+    text = out.read_text()
+    if kind == "skypilot":
+        task = yaml.safe_load(text)
+        assert task["resources"] == {"accelerators": "H100:8"} and task["num_nodes"] == 2
+        assert task["workdir"] == "." and "pip install" in task["setup"]
+        line = task["run"]
+    else:
+        assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # the script parses
+        if kind == "slurm":
+            directives = dict(
+                d.removeprefix("#SBATCH --").split("=", 1)
+                for d in text.splitlines()
+                if d.startswith("#SBATCH")
+            )
+            assert directives["nodes"] == "2" and directives["gpus-per-node"] == "8"
+            assert directives["ntasks-per-node"] == "1"
+            assert re.fullmatch(r"\d\d:\d\d:00", directives["time"])
+            srun = text[text.index("srun ") :]
+            line = shlex.split(srun)[3]  # srun bash -c '<the torchrun line>'
+        else:
+            line = text[text.index("torchrun ") :]
+    assert "--nnodes=" in line and "--nproc_per_node=8" in line
+    args = _ddpexp_args(line)
+    assert args[-2:] == ["device=cuda", "backend=nccl"] and all(o in args for o in chosen)
+    assert "trainer.batch_size=64" in args
+    preflight(args, load_cluster("8xh100_sxm", nodes=2))  # what a run on that cluster would check first

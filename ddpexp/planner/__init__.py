@@ -17,9 +17,13 @@ parallelism, pipeline stages and FSDP, HSDP over nodes, pipeline with replicas):
               (conf/interconnect), less what hides behind compute (ddpexp.predict's rule)
   cost        steps to the target (--tokens or --epochs) x step time x devices x price per device-hour
 
+A candidate is first checked as pre-flight would check its command under torchrun on the cluster;
+`--emit` writes the file that runs the recommended one (emit.py).
+
 The package, one concern a module:
   profiles.py   cluster profiles (conf/cluster/*.yaml) and their checks
   estimate.py   the candidates and one estimate each
+  emit.py       the torchrun script, sbatch script or SkyPilot task of a plan
   cli.py        the command line, the table (--format table|md|csv|json), the recommendation
 """
 

@@ -9,10 +9,12 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from .estimate import Estimate, candidates, estimate, job_of
+from . import emit
+from .estimate import Estimate, candidates, estimate, job_of, launch_args
 from .profiles import GIB, Cluster, cluster_names, load_cluster
 
 
@@ -33,6 +35,12 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--epochs", type=float, help="train this many epochs of the dataset")
     p.add_argument("--by", choices=("cost", "time"), default="cost", help="sort by cost or by time")
     p.add_argument("--format", choices=("table", "md", "csv", "json"), default="table")
+    p.add_argument(
+        "--emit",
+        choices=("torchrun", "slurm", "skypilot"),
+        help="write the file that runs the recommended plan on the cluster",
+    )
+    p.add_argument("--emit-to", type=Path, help="where --emit writes (default: plan_torchrun.sh, ...)")
     return p
 
 
@@ -48,6 +56,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpexp plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(render(results, cluster, args, job), end="")
+    if args.emit:
+        best = next(r for r in results if r.note is None and r.fits)
+        try:
+            cmd = launch_args(overrides, best.candidate.overrides)
+            path = emit.write(args.emit, args.emit_to, cluster, cmd, best.time_s / 3600, best.candidate.label)
+        except UserError as exc:
+            print(f"ddpexp plan: error: --emit {args.emit}: {exc}", file=sys.stderr)
+            return exc.exit_code
+        print(f"wrote {path}: {best.candidate.label}, {args.emit}")
     return 0
 
 
@@ -58,13 +75,13 @@ def plan(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Estimate]
     cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
     with composition.composer() as compose:
         cfg = compose(overrides)
-    job = job_of(cfg, tokens=args.tokens if args.epochs is None else None, epochs=args.epochs)
+    job = job_of(overrides, cfg, tokens=args.tokens if args.epochs is None else None, epochs=args.epochs)
     links = fabric(cluster.interconnect)
     results = [estimate(c, job, cluster, links) for c in candidates(cluster, job.stages)]
     if not any(r.fits for r in results):
         runnable = [r for r in results if r.note is None]
         if not runnable:
-            raise UserError(results[0].note or "no strategy runs this job", setting="trainer.batch_size")
+            raise UserError(results[0].note or "no strategy runs this job")  # the first one's refusal
         least = min(runnable, key=lambda r: r.peak_bytes)
         need, usable = least.peak_bytes / GIB, cluster.usable_bytes / GIB
         raise UserError(

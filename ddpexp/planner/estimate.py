@@ -1,7 +1,8 @@
-"""Every strategy and mesh a model can use on a cluster (`candidates`), and for each (`estimate`): whether
-it fits (the memory model, ddpexp.predict.memory), its step time (compute from the model's FLOPs at
-the device's peak x the achieved share, plus the communication its `Strategy.communication` declares
-on the cluster's links, less what hides behind compute) and what a run to a target costs."""
+"""Every strategy and mesh a model can use on a cluster (`candidates`), and for each (`estimate`):
+whether pre-flight would accept it there (`preflight`), whether it fits (the memory model,
+ddpexp.predict.memory), its step time (compute from the model's FLOPs at the device's peak x the
+achieved share, plus the communication its `Strategy.communication` declares on the cluster's links,
+less what hides behind compute) and what a run to a target costs."""
 
 from __future__ import annotations
 
@@ -99,11 +100,34 @@ class Estimate:
     collectives: list[str] = field(default_factory=list)
 
 
+def launch_args(overrides: list[str], plan_overrides: list[str]) -> list[str]:
+    """The ddpexp command line of a plan: the user's overrides, the plan's strategy and mesh (which win),
+    on the cluster's GPUs."""
+    mine = {o.split("=", 1)[0] for o in plan_overrides}
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in mine]
+    return [*kept, *plan_overrides, "device=cuda", "backend=nccl"]
+
+
+def preflight(args: list[str], cluster: Cluster) -> None:
+    """Pre-flight's checks of the command line `args` as torchrun would start it on `cluster` (its
+    devices per node, its world size): what a run there would refuse, in one line."""
+    from .. import composition
+    from ..plan import ExternalWorld, HostFacts
+    from ..preflight import check_job
+
+    host = HostFacts(cuda_devices=cluster.devices_per_node, nccl=True, gloo=True, mpi=False)
+    world = ExternalWorld(world_size=cluster.devices, local_world_size=cluster.devices_per_node)
+    with composition.composer() as compose:
+        cfg = compose(args)
+    check_job(cfg, host, external=world)
+
+
 @dataclass(frozen=True)
 class Job:
-    """What every candidate shares: the composed config, the global batch, tokens per sample, the
-    model's FLOPs per token and the target in tokens."""
+    """What every candidate shares: the composed config (and the overrides it came from), the global
+    batch, tokens per sample, the model's FLOPs per token and the target in tokens."""
 
+    overrides: list[str]
     cfg: Any
     global_batch: int
     seq_len: int
@@ -112,7 +136,7 @@ class Job:
     stages: int  # the model's stages() (pipeline's limit)
 
 
-def job_of(cfg: Any, *, tokens: float | None, epochs: float | None) -> Job:
+def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: float | None) -> Job:
     """The job `cfg` describes, and its target: `tokens`, or `epochs` over the dataset's training split."""
     import torch
 
@@ -145,7 +169,7 @@ def job_of(cfg: Any, *, tokens: float | None, epochs: float | None) -> Job:
         target = float(tokens or 0)
     split = getattr(model, "stages", None)
     stages = len(split()) if callable(split) else 1
-    return Job(cfg, batch, seq_len, float(count(seq_len)), target, stages)
+    return Job(overrides, cfg, batch, seq_len, float(count(seq_len)), target, stages)
 
 
 def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> Estimate:
@@ -156,6 +180,7 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
     from ..strategies.comm import Workload
 
     try:
+        preflight(launch_args(job.overrides, candidate.overrides), cluster)
         strategy = strategies.resolve(candidate.section)
         world = cluster.devices
         shards = len(set(strategy.data_layout(world_size=world)))

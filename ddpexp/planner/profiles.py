@@ -27,6 +27,7 @@ class Cluster:
     achieved_mfu: float
     reserve_gib: float
     price_per_device_hour: float
+    accelerator: str | None = None  # SkyPilot's name for the device (--emit skypilot)
 
     @property
     def devices(self) -> int:
@@ -76,6 +77,7 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
         achieved_mfu=fields.positive("achieved_mfu"),
         reserve_gib=float(raw.get("reserve_gib") or 0.0),
         price_per_device_hour=fields.positive("price_per_device_hour") if price is None else price,
+        accelerator=None if raw.get("accelerator") is None else str(raw["accelerator"]),
     )
     if cluster.achieved_mfu > 1:
         raise UserError(
