@@ -57,6 +57,14 @@ def test_the_table_names_the_recommendation_and_the_runner_up(tmp_path: Path):
     assert any(line.startswith("Runner-up: ") for line in lines)
 
 
+def test_without_a_target_the_plans_are_ranked_by_step_time(tmp_path: Path):
+    result = plan(tmp_path, "--cluster", "8xh100_sxm", "--format", "json")
+    assert result.returncode == 0, result
+    fitting = [p for p in json.loads(result.stdout)["plans"] if p["fits"]]
+    assert all(p["cost_usd"] is None and p["time_s"] is None for p in fitting)
+    assert [p["step_s"] for p in fitting] == sorted(p["step_s"] for p in fitting)
+
+
 def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tmp_path: Path):
     profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "4xl40s_pcie.yaml").read_text()
     small = tmp_path / "small.yaml"  # 4 devices of 10 MiB

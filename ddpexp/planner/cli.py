@@ -91,7 +91,8 @@ def plan(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Estimate]
             fix=f"rent more devices (--nodes {2 * cluster.nodes}), a smaller trainer.batch_size, or "
             "trainer.activation_checkpointing=full",
         )
-    key = (lambda r: r.cost) if args.by == "cost" else (lambda r: r.time_s if job.target_tokens else r.step_s)
+    # Without a target there is no cost: by step time (cost per token follows it on one cluster).
+    key = (lambda r: r.cost) if args.by == "cost" and job.target_tokens else (lambda r: r.step_s)
     results.sort(key=lambda r: (r.note is not None, not r.fits, key(r) if r.note is None else 0.0))
     return results, cluster, job
 
@@ -193,7 +194,7 @@ def render(results: list[Estimate], cluster: Cluster, args: argparse.Namespace, 
         f"${cluster.price_per_device_hour:g} per device-hour, {cluster.achieved_mfu:.0%} of peak assumed; "
         f"global batch {job.global_batch} x {job.seq_len} tokens; to {target}"
     )
-    return f"{head}\n{table}\n\n{advice(results, args.by)}\n"
+    return f"{head}\n{table}\n\n{advice(results, args.by if job.target_tokens else 'time')}\n"
 
 
 def advice(results: list[Estimate], by: str) -> str:
