@@ -8,9 +8,10 @@ from pathlib import Path
 
 # Listed first, in this order; any other group folder in conf/ (except hydra) follows alphabetically.
 PREFERRED = ("strategy", "model", "data", "optim")
-# conf/ folders that are not training config groups: ddpexp-predict's interconnect profiles and
-# ddpexp plan's cluster profiles.
-NOT_GROUPS = ("hydra", "__pycache__", "interconnect", "cluster")
+# conf/ folders of profiles, not training config groups: ddpexp-predict's interconnects, ddpexp plan's
+# clusters.
+PROFILE_FOLDERS = ("interconnect", "cluster")
+NOT_GROUPS = ("hydra", "__pycache__", *PROFILE_FOLDERS)
 
 USAGE = """\
 ddpexp: compare distributed training strategies on one model, from Hydra configs.

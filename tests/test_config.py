@@ -15,16 +15,16 @@ from hydra import compose
 from ddpexp import models, optim, tasks
 from ddpexp.composition import conf_dir
 from ddpexp.data import DataSource
-from ddpexp.help import help_text
+from ddpexp.help import PROFILE_FOLDERS, help_text
 from ddpexp.plan import HostFacts
 from ddpexp.validate import plan
 
 from .fake_data import WRITERS
 
-GROUPS = sorted(  # conf/interconnect holds ddpexp-predict's profiles, not a group of the training config
+GROUPS = sorted(  # profiles (ddpexp-predict's interconnects, ddpexp plan's clusters) are no config group
     p.name
     for p in Path(conf_dir()).iterdir()
-    if p.is_dir() and not p.name.startswith("_") and p.name != "interconnect"
+    if p.is_dir() and not p.name.startswith("_") and p.name not in PROFILE_FOLDERS
 )
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(conf_dir()) / g).glob("*.yaml"))]
 TEXT_MODELS = {"gcnn", "embbag"}
