@@ -66,6 +66,24 @@ def test_of_ranks_that_stopped_together_the_one_still_in_its_own_forward_is_the_
     assert hang is not None and hang.worker.rank == 1
 
 
+def test_a_rank_the_os_stopped_is_the_hung_one_even_when_its_peer_went_quiet_first(monkeypatch):
+    """SIGSTOP rank 1 just after its beat; rank 0 had beaten a moment earlier and now waits for it in
+    the all-reduce, both past their forwards. Rank 0 crosses hang_s first, yet rank 1 is the one (seen
+    in CI under load: rank 0 was blamed)."""
+    monkeypatch.setattr("ddpexp.launch.supervise.is_stopped", lambda pid: pid == 2**22 + 1)
+    workers, cells = _workers(2)
+    sup = _supervisor(workers)
+    Heartbeat(cells[0]).beat(35)
+    sup._hung(workers, now=0.0)
+    Heartbeat(cells[1]).beat(35)
+    for cell in cells:
+        Heartbeat(cell).forward_done()
+    sup._hung(workers, now=0.5)
+    assert sup._hung(workers, now=10.2) is None  # wait for the stopped rank's own hang_s
+    hang = sup._hung(workers, now=10.6)
+    assert hang is not None and hang.worker.rank == 1 and hang.step == 36
+
+
 def test_start_up_and_checkpoints_get_patience_not_the_hang_timeout():
     workers, cells = _workers(2)
     sup = _supervisor(workers)

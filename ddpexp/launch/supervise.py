@@ -359,9 +359,14 @@ class Supervisor:
         quiet = [(w, p) for w, p in pulses if p.quiet_for(now) > hang_s]
         if not quiet:
             return None
-        # Stopped by the OS: hung whatever phase it was in (start-up and checkpoints get patience_s).
-        stopped = [(w, p) for w, p in quiet if is_stopped(w.proc.pid)]
-        if not stopped and not any(p.quiet_for(now) > p.limit(hang_s, patience_s) for _, p in quiet):
+        # Stopped by the OS: hung whatever phase it was in (start-up and checkpoints get patience_s),
+        # and the one to blame even while a peer that beat a moment before it crosses hang_s first.
+        stopped = [(w, p) for w, p in pulses if is_stopped(w.proc.pid)]
+        if stopped:
+            stopped = [(w, p) for w, p in stopped if p.quiet_for(now) > hang_s]
+            if not stopped:
+                return None
+        elif not any(p.quiet_for(now) > p.limit(hang_s, patience_s) for _, p in quiet):
             return None
         w, pulse = stopped[0] if stopped else min(pulses, key=lambda wp: (wp[1].progress, wp[1].changed_at))
         return Hang(worker=w, step=pulse.step + 1, quiet_s=pulse.quiet_for(now))
