@@ -121,7 +121,7 @@ HEAD = [
 ]
 
 
-def _row(r: Estimate, cluster: Cluster) -> list[str]:
+def _row(r: Estimate) -> list[str]:
     if r.note is not None:
         return [r.candidate.label, "-", "-", "-", "-", "-", "-", "-", "-", r.note]
     fits = "yes" if r.fits else f"no: {r.largest}"
@@ -164,7 +164,7 @@ def _record(r: Estimate) -> dict[str, Any]:
 def render(results: list[Estimate], cluster: Cluster, args: argparse.Namespace, job: Any) -> str:
     if args.format == "json":
         return json.dumps({"cluster": cluster.name, "plans": [_record(r) for r in results]}, indent=2) + "\n"
-    rows = [_row(r, cluster) for r in results]
+    rows = [_row(r) for r in results]
     if args.format == "csv":
         out = io.StringIO()
         writer = csv.writer(out)

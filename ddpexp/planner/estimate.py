@@ -7,7 +7,7 @@ less what hides behind compute) and what a run to a target costs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import ActivationCheckpointing, Precision
@@ -97,7 +97,6 @@ class Estimate:
     steps: float = math.nan  # to the target
     time_s: float = math.nan
     cost: float = math.nan
-    collectives: list[str] = field(default_factory=list)
 
 
 def launch_args(overrides: list[str], plan_overrides: list[str]) -> list[str]:
@@ -124,11 +123,12 @@ def preflight(args: list[str], cluster: Cluster) -> None:
 
 @dataclass(frozen=True)
 class Job:
-    """What every candidate shares: the composed config (and the overrides it came from), the global
-    batch, tokens per sample, the model's FLOPs per token and the target in tokens."""
+    """What every candidate shares: the composed config (and the overrides it came from), its model,
+    the global batch, tokens per sample, the model's FLOPs per token and the target in tokens."""
 
     overrides: list[str]
     cfg: Any
+    model: Any  # on the meta device: shapes for the strategies' communication
     global_batch: int
     seq_len: int
     flops_per_token: float
@@ -169,7 +169,7 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
         target = float(tokens or 0)
     split = getattr(model, "stages", None)
     stages = len(split()) if callable(split) else 1
-    return Job(overrides, cfg, batch, seq_len, float(count(seq_len)), target, stages)
+    return Job(overrides, cfg, model, batch, seq_len, float(count(seq_len)), target, stages)
 
 
 def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> Estimate:
@@ -183,10 +183,6 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         preflight(launch_args(job.overrides, candidate.overrides), cluster)
         strategy = strategies.resolve(candidate.section)
         world = cluster.devices
-        shards = len(set(strategy.data_layout(world_size=world)))
-        acc = int(job.cfg.trainer.accumulate)
-        if job.global_batch % (shards * acc):
-            raise UserError(f"the global batch {job.global_batch} does not split over {shards} data shards")
         ranks = predict(job.cfg, world=world, global_batch=job.global_batch, strategy=strategy)
     except UserError as exc:
         return Estimate(candidate, note=str(exc))
@@ -200,18 +196,13 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
     }
     import torch
 
-    from .. import models
-    from ..data import build_source
-
-    with torch.device("meta"):
-        model = models.build(job.cfg.model, build_source(job.cfg.data).info())
     work = Workload(
-        model=model,
+        model=job.model,
         devices=world,
         world=world,
         nodes=cluster.nodes,
         global_batch=job.global_batch,
-        accumulate=acc,
+        accumulate=int(job.cfg.trainer.accumulate),
         device_type="cuda",
         input_shape=(job.seq_len,),
         input_dtype=torch.long,
@@ -243,5 +234,4 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         steps=steps,
         time_s=time_s,
         cost=time_s / 3600 * world * cluster.price_per_device_hour,
-        collectives=[f"{c.what}: {t * 1e3:.1f} ms" for c, t in timed],
     )

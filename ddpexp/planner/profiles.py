@@ -16,7 +16,6 @@ PEAK_KINDS = ("bf16", "tf32", "fp32")
 @dataclass(frozen=True)
 class Cluster:
     name: str
-    about: str  # the file's first comment line
     devices_per_node: int
     nodes: int
     device: str
@@ -56,9 +55,7 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
     from ..composition import profile_file
 
     path = profile_file("cluster", name, setting="--cluster", what="cluster profile")
-    text = path.read_text()
-    raw: Any = yaml.safe_load(text) or {}
-    about = next((line.lstrip("# ").strip() for line in text.splitlines() if line.startswith("#")), "")
+    raw: Any = yaml.safe_load(path.read_text()) or {}
     fields = _Fields(raw if isinstance(raw, dict) else {}, path)
     device = _Fields(fields.mapping("device"), path, "device.")
     peaks = device.mapping("peak_tflops")
@@ -66,7 +63,6 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
         _Fields(peaks, path, "device.peak_tflops.").positive(kind)
     cluster = Cluster(
         name=path.stem,
-        about=about,
         devices_per_node=int(fields.positive("devices_per_node")),
         nodes=int(fields.positive("nodes")) if nodes is None else nodes,
         device=str(device.value("name")),

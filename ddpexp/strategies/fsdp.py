@@ -324,12 +324,12 @@ def sharded_traffic(
 def _shard_bytes(
     params: list[nn.Parameter], world: int, element_size: int | None, shapes: dict[int, tuple[int, ...]]
 ) -> int:
-    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk)."""
-    total = 0
-    for p in params:
-        shape = shapes.get(id(p), tuple(p.shape)) or (1,)
-        total += math.ceil(shape[0] / world) * math.prod(shape[1:]) * (element_size or p.element_size())
-    return total
+    """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk,
+    rank 0's: every rank's travels at that size)."""
+    return sum(
+        shard_of(shapes.get(id(p), tuple(p.shape)), world, 0) * (element_size or p.element_size())
+        for p in params
+    )
 
 
 def _by_index(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
