@@ -1,17 +1,22 @@
-"""The cost model (ddpexp.predict) against what this machine measures: a one-process `single` run, a
-commbench of this host (or a file, or a profile), then each strategy at W = 2, 3, 4 processes on
-gloo with the same model and global batch; predicted vs measured step time and samples/s, and the
-error in percent. The prediction for every size reads only the single run and the interconnect.
+"""The cost model (ddpexp.predict) against what this machine measures, held out the way simulators are
+judged: it reads one `single` run (one process) and commbench results of this host, then predicts each
+strategy at W = 2, 3, 4 processes on gloo with the same model and global batch, which are measured
+after; predicted vs measured step time, samples/s and bytes per step, the error in percent, and over
+all cases the median and worst error, the rank correlation of predicted and measured throughput, and
+how often the fastest strategy predicted at a W is the fastest measured there (the planner's choice).
 
     python scripts/predict_vs_measured.py                       # digits, ddp and fsdp at W = 2, 3, 4
     python scripts/predict_vs_measured.py --strategies ddp,zero,fsdp --epochs 5 --commbench FILE
     python scripts/predict_vs_measured.py --repeats 3          # medians over 3 rounds, with ranges
 
-Every run gets trainer.threads=1: the model assumes compute scales with the cores a process gets, which
-intra-op threads do not do perfectly; with one thread per process everywhere that question stays out
-of the comparison (a process then gets min(1, cores / processes) cores: on a host with fewer cores
-than processes, the sharing is what is predicted). Results are for the machine and the minute they
-were measured on: run it on an otherwise idle machine, and read the load averages it prints.
+The commbench results (one per W, measured first) time each collective after --burst-ms of compute, as
+a step's collectives follow its backward, and record what W processes computing at once do to each
+one's compute; --back-to-back measures collectives as nccl-tests does instead, and --commbench FILE
+(repeatable) or --interconnect NAME skip the measuring. Every run gets trainer.threads=1: the model
+assumes compute scales with the cores a process gets, which intra-op threads do not do perfectly; with
+one thread per process everywhere that question stays out of the comparison. Results are for the
+machine and the minute they were measured on: run it on an otherwise idle machine, and read the load
+averages it prints.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ def train(out: Path, name: str, overrides: list[str]) -> MeasuredRun:
     return MeasuredRun.read(run_dir)
 
 
-def commbench(out: Path, world: int) -> Path | None:
-    """This host's collectives on gloo (python -m ddpexp.commbench), or None where that fails."""
-    run_dir = out / "commbench"
+def commbench(out: Path, world: int, burst_ms: float) -> Path | None:
+    """This host's collectives on gloo at `world` processes (python -m ddpexp.commbench), each call after
+    `burst_ms` of compute (0: back to back), or None where that fails."""
+    run_dir = out / f"commbench-{world}"
     command = [
         sys.executable,
         "-m",
@@ -51,7 +57,9 @@ def commbench(out: Path, world: int) -> Path | None:
         f"dist.nprocs={world}",
         "trainer.threads=1",
         "commbench.ops=[all_reduce,all_gather,reduce_scatter,broadcast,sendrecv]",
+        "commbench.min_bytes=1024",
         "commbench.max_bytes=4194304",
+        f"commbench.after_compute_ms={burst_ms}",
         f"hydra.run.dir={run_dir}",
     ]
     proc = subprocess.run(command, cwd=HERE, capture_output=True, text=True)
@@ -72,7 +80,14 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=3, help="epochs per run (the first is left out)")
     p.add_argument("--batch", type=int, default=48, help="global batch (a multiple of every world size)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every run, in turn (medians + ranges)")
-    p.add_argument("--commbench", type=Path, help="a commbench.json to use instead of measuring one")
+    p.add_argument(
+        "--commbench",
+        type=Path,
+        action="append",
+        help="a commbench.json to use instead of measuring (repeat it: one per process count)",
+    )
+    p.add_argument("--burst-ms", type=float, default=10.0, help="compute before each benchmarked call")
+    p.add_argument("--back-to-back", action="store_true", help="benchmark collectives back to back")
     p.add_argument("--interconnect", help="a profile to use instead of a commbench (e.g. localhost_gloo)")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -86,8 +101,9 @@ def main() -> int:
 
     source: dict[str, object] = {"interconnect": args.interconnect}
     if args.interconnect is None:
-        bench = args.commbench or commbench(args.out, min(worlds))
-        source = {"commbench": bench} if bench else {"interconnect": "localhost_gloo"}
+        burst = 0.0 if args.back_to_back else args.burst_ms
+        benches = args.commbench or [commbench(args.out, w, burst) for w in worlds]
+        source = {"commbench": benches} if all(benches) else {"interconnect": "localhost_gloo"}
     print(f"fabric: {make_fabric(**source).name}")  # type: ignore[arg-type]
 
     # Each round: a single run, then every strategy at every size, each predicted from that round's
@@ -122,6 +138,7 @@ def main() -> int:
         f"{statistics.median(singles) * 1e3:.2f} ms/step{spread(singles, 1e3)} (epochs after the first)\n"
     )
     print(render(rounds, args.batch))
+    print(summary(rounds, worlds))
     print(
         "\nerr = (predicted - measured) / measured, of the medians over rounds; in brackets, with several "
         "rounds, the smallest and largest error of one round (each prediction against its own round's "
@@ -139,6 +156,52 @@ class Row:
     bytes_meas: float
     exposed_pred: float
     comm_meas: float
+
+
+def summary(rounds: list[dict[tuple[str, int], Row]], worlds: list[int]) -> str:
+    """Over every (strategy, W) and round: the errors' median and worst, Spearman's rank correlation of
+    predicted and measured throughput, and at each W of each round whether the strategy predicted
+    fastest was the one measured fastest."""
+    errors = [abs(r.step_pred - r.step_meas) / r.step_meas for rows in rounds for r in rows.values()]
+    pred = [1 / r.step_pred for rows in rounds for r in rows.values()]
+    meas = [1 / r.step_meas for rows in rounds for r in rows.values()]
+    right = scenarios = 0
+    for rows in rounds:
+        for world in worlds:
+            here = {k: r for k, r in rows.items() if k[1] == world}
+            if len(here) > 1:
+                scenarios += 1
+                chosen = min(here, key=lambda k: here[k].step_pred)
+                right += chosen == min(here, key=lambda k: here[k].step_meas)
+    choice = f"; first choice right in {right} of {scenarios} (W, round)" if scenarios else ""
+    return (
+        f"\n{len(errors)} predictions: |error| median {statistics.median(errors):.0%}, worst "
+        f"{max(errors):.0%}; rank correlation of samples/s {spearman(pred, meas):+.2f}{choice}"
+    )
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks (ties share their mean rank)."""
+    if len(a) < 2:
+        return float("nan")
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    if len(set(ra)) < 2 or len(set(rb)) < 2:
+        return float("nan")
+    return statistics.correlation(ra, rb)
 
 
 def spread(values: list[float], scale: float) -> str:

@@ -90,6 +90,26 @@ def test_a_smoke_run_records_every_op_at_doubling_sizes_with_nccl_tests_bandwidt
     assert (run / "config.yaml").exists() and (run / "logs" / "rank1.log").exists()
 
 
+@pytest.mark.multiproc
+def test_after_compute_each_call_follows_a_burst_and_the_bursts_stretch_is_recorded(tmp_path: Path):
+    """commbench.after_compute_ms: each timed call comes after that much compute on every rank (what
+    the cost model needs: a collective after a backward costs more than back to back on a CPU host),
+    and the burst's time with both ranks computing against one rank alone is recorded."""
+    args = ["backend=gloo", "dist.nprocs=2", "trainer.threads=1", "commbench.smoke=true", "hydra.run.dir=run"]
+    args += ["commbench.ops=[all_reduce]", "commbench.after_compute_ms=3"]
+    result = run_here(tmp_path, "--config-name", CONFIG_NAME, *args)
+    assert result.returncode == 0, result
+    record = json.loads((tmp_path / "run" / "commbench.json").read_text())
+    assert record["facts"]["after_compute_ms"] == 3 and record["facts"]["threads"] == 1
+    compute = record["compute"]
+    assert compute["alone_s"] > 1.5e-3  # the burst was counted to take about the time asked, alone
+    assert compute["stretch"] == pytest.approx(compute["together_s"] / compute["alone_s"])
+    rows = record["results"]
+    assert rows and all(r["compute_s"] > 0 and r["time_s"] > 0 for r in rows)
+    assert "all_reduce" in record["fits"]
+    assert "each call after 3 ms of compute" in result.stdout and "stretch" in result.stdout
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8, 64])
 def test_bus_factors_are_nccl_tests_formulas(world: int):
     for op, formula in FACTORS.items():
@@ -164,6 +184,7 @@ REFUSALS = [
     (["dist.nprocs=1"], ["dist.nprocs", "one process", "dist.nprocs=2"]),
     (["strategy=single"], ["strategy", "single", "process group"]),
     (["commbench.iters=0"], ["commbench.iters", "positive"]),
+    (["commbench.after_compute_ms=-1"], ["commbench.after_compute_ms", "between 0 and"]),
 ]
 
 

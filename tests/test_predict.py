@@ -260,6 +260,43 @@ def test_cpu_processes_share_the_hosts_cores(tmp_path: Path):
     assert [predictor.point(w).compute_s for w in (1, 2, 4)] == pytest.approx([0.020, 0.010, 0.010])
 
 
+def _bench(path: Path, world: int, alpha: float, stretch: float | None) -> Path:
+    """A commbench.json at `world` processes on one node: all_reduce = alpha + 1e-9 s/byte, and, if
+    `stretch`, the compute record of a run after compute (1 thread per process)."""
+    fit = {"alpha_s": alpha, "beta_s_per_byte": 1e-9, "rel_error_mean": 0.0, "rel_error_max": 0.0}
+    facts = {"backend": "gloo", "world_size": world, "nnodes": 1, "nprocs_per_node": world, "host": "t"}
+    record: dict = {"facts": facts, "results": [], "fits": {"all_reduce": fit}}
+    if stretch is not None:
+        facts.update(after_compute_ms=10, threads=1)
+        record["compute"] = {"alone_s": 0.01, "together_s": 0.01 * stretch, "stretch": stretch}
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_commbench_results_at_several_process_counts_are_each_used_at_their_own(tmp_path: Path):
+    """On a CPU host W processes' collectives and compute do not follow from another W's: given a
+    commbench after compute at W = 2 and at W = 4, each W's all-reduce costs what was measured there,
+    and each process's compute is one process's stretched by what W of them computing at once measured
+    (not the division of the cores). A count not measured falls back to the first result and the cores."""
+    run = make_run(tmp_path, step_s=0.020, cores=2, threads=1)
+    two = _bench(tmp_path / "two.json", 2, 1e-3, 1.1)
+    four = _bench(tmp_path / "four.json", 4, 5e-3, 2.6)
+    predictor = Predictor.build(run, commbench=[two, four], strategy="ddp")
+    points = {w: predictor.point(w) for w in (2, 3, 4)}
+    buffer = sum(c.bytes for c, _ in points[2].timed if c.op == "all_reduce")
+    for w, alpha in ((2, 1e-3), (4, 5e-3)):
+        (t,) = [t for c, t in points[w].timed if c.op == "all_reduce"]
+        assert t == pytest.approx(alpha + 1e-9 * buffer), w
+    ((c, t),) = [(c, t) for c, t in points[3].timed if c.op == "all_reduce"]
+    assert t == pytest.approx(interconnect.fabric(commbench=two).time_s(c))  # the ring formulas from W=2
+    # the single run's 20 ms is one core's; ddp at W gives each process 1/W of it
+    assert points[2].compute_s == pytest.approx(0.020 / 2 * 1.1)
+    assert points[4].compute_s == pytest.approx(0.020 / 4 * 2.6)
+    assert points[3].compute_s == pytest.approx(0.020 / 3 * 1.5)  # 3 processes on 2 cores: 2/3 core each
+    with pytest.raises(strategies.UserError, match="two commbench results at 2 processes"):
+        Predictor.build(run, commbench=[two, two], strategy="ddp")
+
+
 def test_overlap_hides_all_but_the_last_bucket_on_accelerators():
     """One bucket: nothing hides (its all-reduce starts when backward ends); many: all but the last,
     up to the backward pass's time."""

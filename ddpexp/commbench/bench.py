@@ -11,6 +11,8 @@ collective). Each measurement beats the heartbeat, so the launcher's hang detect
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     settings = section.effective()
     dtype = getattr(torch, settings.dtype.value)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    burst = Burst.calibrate(settings.after_compute_ms, ctx) if settings.after_compute_ms > 0 else None
     measurements: list[Measurement] = []
     for op in settings.ops:
         for nbytes in sizes(
@@ -57,12 +60,93 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         ):
             case = Case.build(op, nbytes // itemsize, ctx=ctx, dtype=dtype)
             verify(case, op=op, nbytes=nbytes)
-            seconds = time_calls(case.call, warmup=settings.warmup, iters=settings.iters, device=ctx.device)
-            measurements.append(Measurement(op=op, nbytes=nbytes, seconds=seconds, iters=settings.iters))
+            if burst is None:
+                seconds = time_calls(
+                    case.call, warmup=settings.warmup, iters=settings.iters, device=ctx.device
+                )
+                measurement = Measurement(op, nbytes, seconds, settings.iters)
+            else:
+                seconds, compute = time_after_compute(
+                    case.call, burst, warmup=settings.warmup, iters=settings.iters, device=ctx.device
+                )
+                measurement = Measurement(op, nbytes, seconds, settings.iters, compute_s=compute)
+            measurements.append(measurement)
             ctx.heartbeat.beat(len(measurements))
     if ctx.is_main:
-        write_outputs(job, ctx, measurements, settings)
+        write_outputs(job, ctx, measurements, settings, burst.alone_s if burst else None)
     return {}
+
+
+@dataclass(frozen=True)
+class Burst:
+    """Compute before each call: `reps` products of two 128 x 128 float32 matrices, as many as take about
+    the asked time on one rank computing alone (rank 0 counts them while the others wait, and every rank
+    runs the same count: the same work, as a training step's ranks do)."""
+
+    reps: int
+    alone_s: float  # one burst on rank 0 with the other ranks idle
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @classmethod
+    def calibrate(cls, ms: float, ctx: RunContext) -> Burst:
+        a = torch.randn(128, 128, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+        b = a.clone()
+        reps, alone = 0, 0.0
+        if ctx.is_main:
+            _burst(a, b, 16)  # the first products allocate and warm up: not timed
+            reps, alone = 1, _timed(a, b, 1, ctx.device)
+            while alone < ms / 4e3 and reps < 2**20:  # long enough to time, then scaled to the ask
+                reps *= 2
+                alone = _timed(a, b, reps, ctx.device)
+            alone = min(alone, *(_timed(a, b, reps, ctx.device) for _ in range(2)))  # the least disturbed
+            reps = max(1, math.ceil(reps * ms / 1e3 / alone))
+            alone = min(_timed(a, b, reps, ctx.device) for _ in range(3))
+        reps, alone = distributed.broadcast_object((reps, alone))  # type: ignore[misc]
+        return cls(reps, alone, a, b)
+
+    def __call__(self) -> None:
+        _burst(self.a, self.b, self.reps)
+
+
+def _burst(a: torch.Tensor, b: torch.Tensor, reps: int) -> None:
+    for _ in range(reps):
+        torch.mm(a, b, out=b)
+        b.mul_(1 / 128)  # keeps the values bounded however many products
+
+
+def _timed(a: torch.Tensor, b: torch.Tensor, reps: int, device: torch.device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    _burst(a, b, reps)
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_after_compute(
+    call: Callable[[], object], burst: Burst, *, warmup: int, iters: int, device: torch.device
+) -> tuple[float, float]:
+    """Seconds per call when each follows a burst of compute, and seconds per burst, both the mean over
+    calls and ranks: a call's time runs from its rank's burst ending to the call returning, so it
+    holds the wait for the last rank to arrive as well as the collective; the burst's time is what
+    it takes with every rank computing at once."""
+    for _ in range(warmup):
+        burst()
+        call()
+    _synchronize(device)
+    dist.barrier()
+    in_call = in_burst = 0.0
+    for _ in range(iters):
+        start = time.perf_counter()
+        burst()
+        _synchronize(device)
+        ended = time.perf_counter()
+        call()
+        _synchronize(device)
+        in_call += time.perf_counter() - ended
+        in_burst += ended - start
+    ranks = distributed.gather_objects((in_call / iters, in_burst / iters))
+    return statistics.fmean(r[0] for r in ranks), statistics.fmean(r[1] for r in ranks)  # type: ignore[index]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import platform
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,9 @@ GB = 1e9
 class Measurement:
     op: Op
     nbytes: int
-    seconds: float  # per call: the slowest rank's mean
+    seconds: float  # per call: the slowest rank's mean (after compute: the mean over ranks, waits included)
     iters: int
+    compute_s: float | None = None  # after compute: the burst before each call, every rank computing
 
 
 def results(measurements: list[Measurement], world: int) -> list[dict[str, Any]]:
@@ -47,6 +49,7 @@ def results(measurements: list[Measurement], world: int) -> list[dict[str, Any]]
                 "algbw_GBps": algbw,
                 "busbw_GBps": algbw * bus_factor(m.op, world),
                 "iters": m.iters,
+                **({} if m.compute_s is None else {"compute_s": m.compute_s}),
             }
         )
     return rows
@@ -70,10 +73,14 @@ def fits(measurements: list[Measurement]) -> dict[str, dict[str, float]]:
 
 
 def write_outputs(
-    job: Job, ctx: RunContext, measurements: list[Measurement], settings: CommbenchConfig
+    job: Job,
+    ctx: RunContext,
+    measurements: list[Measurement],
+    settings: CommbenchConfig,
+    compute_alone_s: float | None = None,
 ) -> None:
     p = job.plan
-    record = {
+    record: dict[str, Any] = {
         "facts": {
             "backend": p.backend,
             "world_size": p.world_size,
@@ -87,19 +94,36 @@ def write_outputs(
         "results": results(measurements, p.world_size),
         "fits": fits(measurements),
     }
+    if compute_alone_s is not None:
+        record["facts"]["after_compute_ms"] = settings.after_compute_ms
+        record["facts"]["threads"] = torch.get_num_threads()
+        record["compute"] = compute_record(measurements, compute_alone_s)
     atomic_write_text(ctx.run_dir / JSON_FILE, json.dumps(record, indent=2) + "\n")
     atomic_write_bytes(ctx.run_dir / PLOT_FILE, plot(record))
     log.info("%s", table(record, settings))
+
+
+def compute_record(measurements: list[Measurement], alone_s: float) -> dict[str, float]:
+    """commbench.json's `compute`, after compute only: one burst with the other ranks idle, the same
+    burst with every rank computing (the median over the measurements), and their ratio, the stretch:
+    what running these W processes side by side does to each one's compute."""
+    together = statistics.median(m.compute_s for m in measurements if m.compute_s is not None)
+    return {"alone_s": alone_s, "together_s": together, "stretch": together / alone_s}
 
 
 def table(record: dict[str, Any], settings: CommbenchConfig) -> str:
     """The console's view of commbench.json: every measurement, then the fit of each op."""
     f = record["facts"]
     layout = f"{f['nnodes']} node(s) x {f['nprocs_per_node']}"
+    how = f"the slowest rank's mean over {settings.iters} calls"
+    if "compute" in record:
+        how = (
+            f"each call after {settings.after_compute_ms:g} ms of compute on every rank, the mean over "
+            f"{settings.iters} calls and the ranks, waiting for the last rank included"
+        )
     lines = [
         f"commbench: {f['backend']}, {f['world_size']} ranks ({layout}), {f['device_type']}, "
-        f"{settings.dtype}; time = the slowest rank's mean over {settings.iters} calls "
-        f"(after {settings.warmup} warm-up calls)",
+        f"{settings.dtype}; time = {how} (after {settings.warmup} warm-up calls)",
         f"{'op':<15} {'bytes':>10} {'time_us':>11} {'algbw_GBps':>11} {'busbw_GBps':>11}",
     ]
     for r in record["results"]:
@@ -110,6 +134,12 @@ def table(record: dict[str, Any], settings: CommbenchConfig) -> str:
         "largest sizes approach (algbw); rel_err = |fit - time| / time over the sizes measured",
         f"{'op':<15} {'alpha_us':>10} {'1/beta_GBps':>11} {'rel_err_mean':>12} {'rel_err_max':>11}",
     ]
+    if "compute" in record:
+        c = record["compute"]
+        lines.append(
+            f"compute: one burst {c['alone_s'] * 1e3:.3g} ms on one rank alone, "
+            f"{c['together_s'] * 1e3:.3g} ms with all {f['world_size']} at once (stretch {c['stretch']:.3g})"
+        )
     for op, fit in record["fits"].items():
         beta = fit["beta_s_per_byte"]
         bandwidth = f"{1 / beta / GB:>11.4g}" if beta > 0 else f"{'inf':>11}"

@@ -42,6 +42,11 @@ class CommbenchConfig:
     dtype: Dtype = Dtype.float32
     # A tiny run for tests and trying things out: sizes up to 64 KiB, 1 warmup call, 3 timed calls.
     smoke: bool = False
+    # 0: calls back to back (nccl-tests' way). > 0: every call follows a burst of about this many ms of
+    # compute on each rank, as a training step's collectives follow its backward; a call's time then
+    # includes waiting for the last rank to arrive, and the burst's time with every rank computing
+    # at once against its time alone is recorded too (what processes sharing a host's cores cost).
+    after_compute_ms: float = 0.0
 
     def effective(self) -> CommbenchConfig:
         """The settings the benchmark runs with: smoke mode's caps applied."""
@@ -87,6 +92,12 @@ def check(section: Any, plan: Plan) -> None:
                 setting=f"commbench.{key}",
                 fix=f"set commbench.{key}>=1",
             )
+    if not 0 <= section.after_compute_ms <= 10_000:
+        raise UserError(
+            f"must be between 0 and 10000 ms, got {section.after_compute_ms}",
+            setting="commbench.after_compute_ms",
+            fix="set commbench.after_compute_ms=0 (back to back) or the ms of compute before a call, e.g. 20",
+        )
     if section.warmup < 0:
         raise UserError("must be >= 0", setting="commbench.warmup", fix="set commbench.warmup=0 or more")
     if section.max_bytes < section.min_bytes:

@@ -38,7 +38,13 @@ def parser() -> argparse.ArgumentParser:
         help="profile(s) from conf/interconnect (nvlink4, or nvlink4,ib400: intra- then inter-node), "
         "or a YAML file",
     )
-    p.add_argument("--commbench", type=Path, help="a commbench.json whose fitted alpha/beta to use")
+    p.add_argument(
+        "--commbench",
+        type=Path,
+        action="append",
+        help="a commbench.json whose fitted alpha/beta to use; repeat it for results measured at other "
+        "process counts on one host (each is used at its own count)",
+    )
     p.add_argument("--strategy", help="predict this strategy (a conf/strategy option) instead of the run's")
     p.add_argument(
         "--set",

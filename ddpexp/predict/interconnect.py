@@ -5,7 +5,8 @@ a `Collective` into time on it, and the links a prediction uses (`Fabric`), from
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,34 @@ def collective_time(c: Collective, link: Link) -> float:
 
 
 @dataclass(frozen=True)
+class Stretch:
+    """What W processes computing side by side on one host do to each one's compute (a commbench after
+    compute measured it): the time of the same work, all W at once over one alone, each process with
+    `threads` threads."""
+
+    factor: float
+    threads: int
+
+
+@dataclass(frozen=True)
 class Fabric:
-    """The links a prediction uses: per operation, within a node and between nodes (None: not given)."""
+    """The links a prediction uses: per operation, within a node and between nodes (None: not given).
+    Commbench results measured on one node at several process counts are kept per count (`per_node`):
+    on a host whose processes outnumber or share its cores, W processes' collectives do not follow
+    the ring formulas from another W, so a size measured is read as measured."""
 
     name: str
     intra: dict[str, Link]
     inter: dict[str, Link] | None
     notes: tuple[str, ...] = ()
+    per_node: dict[int, dict[str, Link]] = field(default_factory=dict)
+    stretch: dict[int, Stretch] = field(default_factory=dict)
+
+    def at(self, processes: int) -> Fabric:
+        """This fabric for `processes` processes per node: the intra-node links measured at that count,
+        where one was."""
+        links = self.per_node.get(processes)
+        return self if links is None or links is self.intra else replace(self, intra=links)
 
     def time_s(self, c: Collective) -> float:
         links = self.inter if c.inter_node else self.intra
@@ -123,6 +145,15 @@ def load_profile(name: str) -> Profile:
     return Profile(path.stem, scope, link, first.lstrip("# ").strip(), efficiency)
 
 
+def commbench_stretch(path: Path) -> Stretch | None:
+    """The compute stretch a commbench after compute recorded, or None (one measured back to back)."""
+    data = json.loads(path.read_text())
+    compute = data.get("compute")
+    if not compute:
+        return None
+    return Stretch(float(compute["stretch"]), int(data["facts"].get("threads") or 1))
+
+
 def commbench_links(path: Path) -> tuple[dict[str, Link], dict[str, Any]]:
     """Per-operation links from a commbench.json: its fits (time = alpha + bytes x beta, measured on
     its world size Wb) divided back into one link's: alpha / hops(op, Wb), beta / bus_factor(op, Wb),
@@ -158,11 +189,15 @@ def commbench_links(path: Path) -> tuple[dict[str, Link], dict[str, Any]]:
     return links, facts
 
 
-def fabric(interconnect: str | None = None, commbench: Path | str | None = None) -> Fabric:
+def fabric(
+    interconnect: str | None = None, commbench: Path | str | Sequence[Path | str] | None = None
+) -> Fabric:
     """The links from profiles (`nvlink4`, or `nvlink4,ib400`: the first that covers each scope) and/or
-    a commbench.json (its links are intra-node if it ran on one node, else inter-node; profiles fill the
-    other scope)."""
-    if not interconnect and commbench is None:
+    commbench.json files (a result's links are intra-node if it ran on one node, else inter-node;
+    profiles fill the other scope). Several one-node results, each at its own process count, are used
+    each at its count; the first is used at any other."""
+    benches = [] if commbench is None else [commbench] if isinstance(commbench, str | Path) else commbench
+    if not interconnect and not benches:
         raise UserError(
             "no interconnect given",
             setting="--interconnect",
@@ -171,17 +206,35 @@ def fabric(interconnect: str | None = None, commbench: Path | str | None = None)
     intra: dict[str, Link] | None = None
     inter: dict[str, Link] | None = None
     notes, names = [], []
-    if commbench is not None:
-        links, facts = commbench_links(Path(commbench))
+    per_node: dict[int, dict[str, Link]] = {}
+    stretch: dict[int, Stretch] = {}
+    for bench in map(Path, benches):
+        links, facts = commbench_links(bench)
         nodes = int(facts.get("nnodes", 1) or 1)
         where = "inter" if nodes > 1 else "intra"
+        after = facts.get("after_compute_ms")
+        timing = f"each call after {after:g} ms of compute" if after else "calls back to back"
         notes.append(
-            f"{where}-node links from {commbench} ({facts.get('backend')}, {facts.get('world_size')} ranks "
-            f"on {nodes} node(s), host {facts.get('host')}): per op, the fit divided by its hops and bus "
-            f"factor at that size; all_reduce: {links['all_reduce'].describe()} per link"
+            f"{where}-node links from {bench} ({facts.get('backend')}, {facts.get('world_size')} ranks "
+            f"on {nodes} node(s), host {facts.get('host')}, {timing}): per op, the fit divided by its hops "
+            f"and bus factor at that size; all_reduce: {links['all_reduce'].describe()} per link"
         )
-        intra, inter = (links, None) if nodes == 1 else (None, links)
-        names.append(f"commbench {Path(commbench).name}")
+        if nodes == 1:
+            processes = int(facts["world_size"])
+            if processes in per_node:
+                raise UserError(
+                    f"two commbench results at {processes} processes on one node",
+                    setting="--commbench",
+                    fix="give one result per process count",
+                )
+            per_node[processes] = links
+            intra = intra or links
+            measured = commbench_stretch(bench)
+            if measured is not None:
+                stretch[processes] = measured
+        elif inter is None:
+            inter = links
+        names.append(f"commbench {bench.name}")
     only_inter: list[dict[str, Link]] = []
     for name in [n.strip() for n in (interconnect or "").split(",") if n.strip()]:
         profile = load_profile(name)
@@ -204,4 +257,4 @@ def fabric(interconnect: str | None = None, commbench: Path | str | None = None)
         intra = only_inter[0] if only_inter else inter
         notes.append("no intra-node profile given: links inside a node taken as the network's")
     assert intra is not None
-    return Fabric("+".join(names), intra, inter, tuple(notes))
+    return Fabric("+".join(names), intra, inter, tuple(notes), per_node, stretch)

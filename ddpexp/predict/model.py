@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..strategies.comm import Collective, Overlap, Workload
-from .interconnect import Fabric, fabric
+from .interconnect import Fabric, Stretch, fabric
 from .measured import MeasuredRun
 from .shapes import ModelShape, model_shape
 
@@ -69,11 +69,26 @@ class Host:
     cores: int
     threads: int | None  # trainer.threads as the run set it; None: ddpexp's default rule
 
+    def threads_per_process(self, processes: int, threads: int | None = None) -> int:
+        return threads or self.threads or max(1, self.cores // max(processes, 1))
+
     def cores_per_process(self, processes: int, threads: int | None = None) -> float:
         if self.device_type != "cpu":
             return 1.0  # an accelerator per process: nothing shared
-        chosen = threads or self.threads or max(1, self.cores // max(processes, 1))
-        return min(float(chosen), self.cores / max(processes, 1))
+        return min(float(self.threads_per_process(processes, threads)), self.cores / max(processes, 1))
+
+    def speed(
+        self, processes: int, threads: int | None = None, stretch: dict[int, Stretch] | None = None
+    ) -> float:
+        """How many cores' worth of compute one of `processes` processes gets: the cores it is given,
+        or, where a commbench after compute measured this many processes with the same threads, one
+        process alone over the stretch they measured (it holds what sharing the cores, caches and
+        memory bandwidth costs: more than the division of cores says)."""
+        measured = (stretch or {}).get(processes)
+        chosen = self.threads_per_process(processes, threads)
+        if self.device_type == "cpu" and measured is not None and measured.threads == chosen:
+            return min(float(chosen), float(self.cores)) / measured.factor
+        return self.cores_per_process(processes, threads)
 
     def overlap_efficiency(self, processes: int) -> float:
         """How much of a hideable communication can hide: on an accelerator it runs on its own engines
@@ -151,7 +166,7 @@ class Predictor:
         run: Any,
         *,
         interconnect: str | None = None,
-        commbench: Path | str | None = None,
+        commbench: Path | str | Sequence[Path | str] | None = None,
         strategy: str | None = None,
         settings: Sequence[str] = (),
         overlap: float | None = None,
@@ -213,7 +228,7 @@ class Predictor:
         job = self.workload(devices, nodes, strategy)
         metered = [c for c in strategy.communication(job=job) if c.counted > 0]
         try:
-            weights = [self.fabric.time_s(c) for c in metered]
+            weights = [self.fabric.at(job.procs_per_node).time_s(c) for c in metered]
         except UserError:  # a multi-node run read with an intra-node fabric: split by bytes instead
             weights = [c.bytes for c in metered]
         timed = (
@@ -229,7 +244,7 @@ class Predictor:
         share = strategy.compute_share(job=job)
         processes = job.procs_per_node if strategy.uses_process_group else 1
         threads = int(facts.get("threads") or 1)  # runs from before facts.threads: 1 per process
-        self.work_s = self.compute_run_s * self.host.cores_per_process(processes, threads) / share
+        self.work_s = self.compute_run_s * self.host.speed(processes, threads, self.fabric.stretch) / share
         self.single_s = self.work_s / self.host.cores_per_process(1)
         hidden = max(self.compute_run_s - (step - comm), 0.0)
         self.notes.append(
@@ -251,12 +266,13 @@ class Predictor:
             job = self.workload(devices, nodes)
             collectives = self.strategy.communication(job=job)
             share = self.strategy.compute_share(job=job)
-            timed = tuple((c, self.fabric.time_s(c)) for c in collectives)
+            links = self.fabric.at(job.procs_per_node)
+            timed = tuple((c, links.time_s(c)) for c in collectives)
         except UserError as exc:
             nan = math.nan
             return Point(devices, nodes, 0, nan, nan, nan, nan, nan, nan, nan, note=str(exc))
         processes = job.procs_per_node if self.strategy.uses_process_group else 1
-        compute = self.work_s * share / self.host.cores_per_process(processes)
+        compute = self.work_s * share / self.host.speed(processes, stretch=self.fabric.stretch)
         comm = sum(t for _, t in timed)
         exposed = comm - hidden_s(timed, compute, self._overlap(processes))
         step = compute + exposed
