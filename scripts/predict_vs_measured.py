@@ -9,14 +9,15 @@ how often the fastest strategy predicted at a W is the fastest measured there (t
     python scripts/predict_vs_measured.py --strategies ddp,zero,fsdp --epochs 5 --commbench FILE
     python scripts/predict_vs_measured.py --repeats 3          # medians over 3 rounds, with ranges
 
-The commbench results (one per W, measured first) time each collective after --burst-ms of compute, as
-a step's collectives follow its backward, and record what W processes computing at once do to each
-one's compute; --back-to-back measures collectives as nccl-tests does instead, and --commbench FILE
-(repeatable) or --interconnect NAME skip the measuring. Every run gets trainer.threads=1: the model
-assumes compute scales with the cores a process gets, which intra-op threads do not do perfectly; with
-one thread per process everywhere that question stays out of the comparison. Results are for the
-machine and the minute they were measured on: run it on an otherwise idle machine, and read the load
-averages it prints.
+The commbench results (one per W and burst length, measured first) time each collective after
+--burst-ms of compute (10; with several lengths, e.g. 1,10, a wait is interpolated between them), as
+a step's collectives follow its compute, and record what W processes computing at once do to each
+one's compute; --back-to-back measures collectives as
+nccl-tests does instead, and --commbench FILE (repeatable) or --interconnect NAME skip the measuring.
+Every run gets trainer.threads=1: the model assumes compute scales with the cores a process gets,
+which intra-op threads do not do perfectly; with one thread per process everywhere that question stays
+out of the comparison. Results are for the machine and the minute they were measured on: run it on an
+otherwise idle machine, and read the load averages it prints.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def train(out: Path, name: str, overrides: list[str]) -> MeasuredRun:
 def commbench(out: Path, world: int, burst_ms: float) -> Path | None:
     """This host's collectives on gloo at `world` processes (python -m ddpexp.commbench), each call after
     `burst_ms` of compute (0: back to back), or None where that fails."""
-    run_dir = out / f"commbench-{world}"
+    run_dir = out / f"commbench-{world}" / f"{burst_ms:g}ms"
     command = [
         sys.executable,
         "-m",
@@ -86,7 +87,9 @@ def main() -> int:
         action="append",
         help="a commbench.json to use instead of measuring (repeat it: one per process count)",
     )
-    p.add_argument("--burst-ms", type=float, default=10.0, help="compute before each benchmarked call")
+    p.add_argument(
+        "--burst-ms", default="10", help="compute before each benchmarked call: one commbench per length"
+    )
     p.add_argument("--back-to-back", action="store_true", help="benchmark collectives back to back")
     p.add_argument("--interconnect", help="a profile to use instead of a commbench (e.g. localhost_gloo)")
     args = p.parse_args()
@@ -101,8 +104,8 @@ def main() -> int:
 
     source: dict[str, object] = {"interconnect": args.interconnect}
     if args.interconnect is None:
-        burst = 0.0 if args.back_to_back else args.burst_ms
-        benches = args.commbench or [commbench(args.out, w, burst) for w in worlds]
+        bursts = [0.0] if args.back_to_back else [float(b) for b in args.burst_ms.split(",")]
+        benches = args.commbench or [commbench(args.out, w, b) for w in worlds for b in bursts]
         source = {"commbench": benches} if all(benches) else {"interconnect": "localhost_gloo"}
     print(f"fabric: {make_fabric(**source).name}")  # type: ignore[arg-type]
 

@@ -266,18 +266,20 @@ def _bench(path: Path, world: int, alpha: float, stretch: float | None) -> Path:
     fit = {"alpha_s": alpha, "beta_s_per_byte": 1e-9, "rel_error_mean": 0.0, "rel_error_max": 0.0}
     facts = {"backend": "gloo", "world_size": world, "nnodes": 1, "nprocs_per_node": world, "host": "t"}
     record: dict = {"facts": facts, "results": [], "fits": {"all_reduce": fit}}
-    if stretch is not None:
+    if stretch is not None:  # back to back, the calls cost a quarter of the latency
         facts.update(after_compute_ms=10, threads=1)
         record["compute"] = {"alone_s": 0.01, "together_s": 0.01 * stretch, "stretch": stretch}
+        record["fits_back_to_back"] = {"all_reduce": {**fit, "alpha_s": alpha / 4}}
     path.write_text(json.dumps(record))
     return path
 
 
 def test_commbench_results_at_several_process_counts_are_each_used_at_their_own(tmp_path: Path):
     """On a CPU host W processes' collectives and compute do not follow from another W's: given a
-    commbench after compute at W = 2 and at W = 4, each W's all-reduce costs what was measured there,
-    and each process's compute is one process's stretched by what W of them computing at once measured
-    (not the division of the cores). A count not measured falls back to the first result and the cores."""
+    commbench after compute at W = 2 and at W = 4, each W's all-reduce (one bucket, after the backward)
+    costs what was measured there after compute; each process's compute is one process's stretched by
+    what W of them computing at once measured (not the division of the cores). A count not measured
+    falls back to the first result and the cores."""
     run = make_run(tmp_path, step_s=0.020, cores=2, threads=1)
     two = _bench(tmp_path / "two.json", 2, 1e-3, 1.1)
     four = _bench(tmp_path / "four.json", 4, 5e-3, 2.6)
@@ -293,8 +295,30 @@ def test_commbench_results_at_several_process_counts_are_each_used_at_their_own(
     assert points[2].compute_s == pytest.approx(0.020 / 2 * 1.1)
     assert points[4].compute_s == pytest.approx(0.020 / 4 * 2.6)
     assert points[3].compute_s == pytest.approx(0.020 / 3 * 1.5)  # 3 processes on 2 cores: 2/3 core each
-    with pytest.raises(strategies.UserError, match="two commbench results at 2 processes"):
+    with pytest.raises(strategies.UserError, match="two commbench results after the same compute at 2 "):
         Predictor.build(run, commbench=[two, two], strategy="ddp")
+
+
+def test_a_call_waits_after_compute_as_long_as_measured_after_a_burst_as_long_as_its_compute():
+    """Two commbench results after compute (bursts of 1 and 10 ms): a call costs its back-to-back time
+    plus the wait measured on top, interpolated in the logarithm of the compute before it. Calls that
+    interleave with the backward pass (4 buckets) each follow a quarter of its 2/3 of the compute;
+    the calls of a collective between compute (3 broadcasts) wait once, after the whole compute."""
+    quick = {"all_reduce": Link(1e-4, 0.0)}
+    short = interconnect.AfterCompute(1e-3, {"all_reduce": Link(2e-4, 0.0)}, quick)  # waits 1e-4 a hop
+    long = interconnect.AfterCompute(1e-2, {"all_reduce": Link(5e-4, 0.0)}, quick)  # waits 4e-4 a hop
+    fabric = interconnect.Fabric("t", quick, None, waits=(short, long))
+    buckets = Collective("g", "all_reduce", 0.0, 2, calls=4, overlaps=Overlap.backward)
+    broadcasts = Collective("p", "broadcast", 0.0, 2, calls=3)
+    hop = {"all_reduce": 2, "broadcast": 1}  # at W = 2
+    for compute, wait_per_hop in [(0.006, 1e-4), (0.06, 4e-4), (0.0, 1e-4), (1.0, 4e-4)]:
+        (_, b), (_, p) = fabric.timed([buckets, broadcasts], compute)
+        # 0.006 s x 2/3 / 4 = 1 ms before each bucket; 0.06: 10 ms; beyond the bursts: the nearest
+        assert b == pytest.approx(4 * hop["all_reduce"] * (1e-4 + wait_per_hop)), compute
+    (_, b), (_, p) = fabric.timed([buckets, broadcasts], 0.003 * 10**0.5 * 6 / 3)  # sqrt(1 x 10) ms
+    assert b == pytest.approx(4 * 2 * (1e-4 + 2.5e-4))  # halfway in the logarithm
+    (_, p) = fabric.timed([broadcasts], 0.01)[0]
+    assert p == pytest.approx(3 * 1e-4 + 4e-4)  # three calls back to back, one wait after 10 ms
 
 
 def test_overlap_hides_all_but_the_last_bucket_on_accelerators():

@@ -69,7 +69,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
                 seconds, compute = time_after_compute(
                     case.call, burst, warmup=settings.warmup, iters=settings.iters, device=ctx.device
                 )
-                measurement = Measurement(op, nbytes, seconds, settings.iters, compute_s=compute)
+                back_to_back = time_calls(case.call, warmup=0, iters=settings.iters, device=ctx.device)
+                measurement = Measurement(op, nbytes, seconds, settings.iters, compute, back_to_back)
             measurements.append(measurement)
             ctx.heartbeat.beat(len(measurements))
     if ctx.is_main:
@@ -80,11 +81,11 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
 @dataclass(frozen=True)
 class Burst:
     """Compute before each call: `reps` products of two 128 x 128 float32 matrices, as many as take about
-    the asked time on one rank computing alone (rank 0 counts them while the others wait, and every rank
-    runs the same count: the same work, as a training step's ranks do)."""
+    the asked time on rank 0 computing alone; every rank runs the same count (the same work, as a
+    training step's ranks do)."""
 
     reps: int
-    alone_s: float  # one burst on rank 0 with the other ranks idle
+    alone_s: float  # one burst, the mean over the ranks, each timed while the others wait
     a: torch.Tensor
     b: torch.Tensor
 
@@ -92,17 +93,25 @@ class Burst:
     def calibrate(cls, ms: float, ctx: RunContext) -> Burst:
         a = torch.randn(128, 128, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
         b = a.clone()
-        reps, alone = 0, 0.0
+        _burst(a, b, 16)  # the first products allocate and warm up: not timed
+        reps = 0
         if ctx.is_main:
-            _burst(a, b, 16)  # the first products allocate and warm up: not timed
             reps, alone = 1, _timed(a, b, 1, ctx.device)
             while alone < ms / 4e3 and reps < 2**20:  # long enough to time, then scaled to the ask
                 reps *= 2
                 alone = _timed(a, b, reps, ctx.device)
             alone = min(alone, *(_timed(a, b, reps, ctx.device) for _ in range(2)))  # the least disturbed
             reps = max(1, math.ceil(reps * ms / 1e3 / alone))
-            alone = min(_timed(a, b, reps, ctx.device) for _ in range(3))
-        reps, alone = distributed.broadcast_object((reps, alone))  # type: ignore[misc]
+        reps = int(distributed.broadcast_object(reps))  # type: ignore[call-overload]
+        # Each rank alone in turn (a rank waiting in a gloo barrier takes no core): processes of one
+        # host compute at speeds that differ by tens of percent, so the stretch compares the same ones.
+        mine = 0.0
+        for turn in range(ctx.world_size):
+            dist.barrier()
+            if turn == ctx.rank:
+                mine = min(_timed(a, b, reps, ctx.device) for _ in range(3))
+        dist.barrier()
+        alone = statistics.fmean(float(t) for t in distributed.gather_objects(mine))  # type: ignore[arg-type]
         return cls(reps, alone, a, b)
 
     def __call__(self) -> None:

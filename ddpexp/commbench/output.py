@@ -34,6 +34,7 @@ class Measurement:
     seconds: float  # per call: the slowest rank's mean (after compute: the mean over ranks, waits included)
     iters: int
     compute_s: float | None = None  # after compute: the burst before each call, every rank computing
+    back_to_back_s: float | None = None  # after compute: the same call back to back, as without it
 
 
 def results(measurements: list[Measurement], world: int) -> list[dict[str, Any]]:
@@ -50,19 +51,22 @@ def results(measurements: list[Measurement], world: int) -> list[dict[str, Any]]
                 "busbw_GBps": algbw * bus_factor(m.op, world),
                 "iters": m.iters,
                 **({} if m.compute_s is None else {"compute_s": m.compute_s}),
+                **({} if m.back_to_back_s is None else {"back_to_back_s": m.back_to_back_s}),
             }
         )
     return rows
 
 
-def fits(measurements: list[Measurement]) -> dict[str, dict[str, float]]:
+def fits(measurements: list[Measurement], back_to_back: bool = False) -> dict[str, dict[str, float]]:
     """commbench.json's `fits`: alpha-beta per op measured at two sizes or more (one size cannot tell
-    latency from bandwidth, so such an op has no fit)."""
+    latency from bandwidth, so such an op has no fit); `back_to_back`: of the back-to-back times a run
+    after compute also took (`fits_back_to_back`)."""
     out = {}
     for op in dict.fromkeys(m.op for m in measurements):
         mine = [m for m in measurements if m.op == op]
         if len({m.nbytes for m in mine}) >= 2:
-            fit = fit_alpha_beta([m.nbytes for m in mine], [m.seconds for m in mine])
+            times = [(m.back_to_back_s or m.seconds) if back_to_back else m.seconds for m in mine]
+            fit = fit_alpha_beta([m.nbytes for m in mine], times)
             out[str(op)] = {
                 "alpha_s": fit.alpha_s,
                 "beta_s_per_byte": fit.beta_s_per_byte,
@@ -98,15 +102,16 @@ def write_outputs(
         record["facts"]["after_compute_ms"] = settings.after_compute_ms
         record["facts"]["threads"] = torch.get_num_threads()
         record["compute"] = compute_record(measurements, compute_alone_s)
+        record["fits_back_to_back"] = fits(measurements, back_to_back=True)
     atomic_write_text(ctx.run_dir / JSON_FILE, json.dumps(record, indent=2) + "\n")
     atomic_write_bytes(ctx.run_dir / PLOT_FILE, plot(record))
     log.info("%s", table(record, settings))
 
 
 def compute_record(measurements: list[Measurement], alone_s: float) -> dict[str, float]:
-    """commbench.json's `compute`, after compute only: one burst with the other ranks idle, the same
-    burst with every rank computing (the median over the measurements), and their ratio, the stretch:
-    what running these W processes side by side does to each one's compute."""
+    """commbench.json's `compute`, after compute only: one burst with the other ranks idle (each rank in
+    turn, the mean), the same burst with every rank computing (the median over the measurements), and
+    their ratio, the stretch: what running these W processes side by side does to each one's compute."""
     together = statistics.median(m.compute_s for m in measurements if m.compute_s is not None)
     return {"alone_s": alone_s, "together_s": together, "stretch": together / alone_s}
 
@@ -137,7 +142,7 @@ def table(record: dict[str, Any], settings: CommbenchConfig) -> str:
     if "compute" in record:
         c = record["compute"]
         lines.append(
-            f"compute: one burst {c['alone_s'] * 1e3:.3g} ms on one rank alone, "
+            f"compute: one burst {c['alone_s'] * 1e3:.3g} ms on a rank alone, "
             f"{c['together_s'] * 1e3:.3g} ms with all {f['world_size']} at once (stretch {c['stretch']:.3g})"
         )
     for op, fit in record["fits"].items():

@@ -4,7 +4,9 @@ a `Collective` into time on it, and the links a prediction uses (`Fabric`), from
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 from .. import composition
 from ..commbench import bus_factor
 from ..errors import UserError
-from ..strategies.comm import COLLECTIVE_OPS, Collective
+from ..strategies.comm import COLLECTIVE_OPS, Collective, Overlap
 
 PROFILE_SCOPES = ("intra", "inter", "both")
 
@@ -67,11 +69,22 @@ class Stretch:
 
 
 @dataclass(frozen=True)
+class AfterCompute:
+    """A commbench after compute at one process count: how long its burst took with every rank
+    computing, what each op cost after it, and what the same calls cost back to back."""
+
+    burst_s: float
+    after: dict[str, Link]
+    back_to_back: dict[str, Link]
+
+
+@dataclass(frozen=True)
 class Fabric:
     """The links a prediction uses: per operation, within a node and between nodes (None: not given).
     Commbench results measured on one node at several process counts are kept per count (`per_node`):
     on a host whose processes outnumber or share its cores, W processes' collectives do not follow
-    the ring formulas from another W, so a size measured is read as measured."""
+    the ring formulas from another W, so a size measured is read as measured. Results after compute
+    (`after`, one or more burst lengths per count) also say what a call waits for after compute."""
 
     name: str
     intra: dict[str, Link]
@@ -79,12 +92,55 @@ class Fabric:
     notes: tuple[str, ...] = ()
     per_node: dict[int, dict[str, Link]] = field(default_factory=dict)
     stretch: dict[int, Stretch] = field(default_factory=dict)
+    after: dict[int, tuple[AfterCompute, ...]] = field(default_factory=dict)  # by burst length
+    waits: tuple[AfterCompute, ...] = ()  # this count's
 
     def at(self, processes: int) -> Fabric:
         """This fabric for `processes` processes per node: the intra-node links measured at that count,
         where one was."""
         links = self.per_node.get(processes)
-        return self if links is None or links is self.intra else replace(self, intra=links)
+        if links is None:
+            return self
+        return replace(self, intra=links, waits=self.after.get(processes, ()))
+
+    def timed(self, collectives: Sequence[Collective], compute_s: float) -> list[tuple[Collective, float]]:
+        """Each collective's time in a step whose compute per rank is `compute_s`. Where commbench after
+        compute measured this node, a call costs what it costs back to back plus the wait the benchmark
+        measured on top after a burst as long as the compute before the call (the ranks arrive apart,
+        the host's threads wake; between two burst lengths measured, interpolated in the logarithm of
+        the length; outside them, the nearest). Every call of a collective that interleaves with a
+        pass (a bucket, a unit) follows its share of that pass; the calls of one that runs between
+        compute (zero's broadcasts) wait once, after the step's compute, then follow one another."""
+        if not self.waits:
+            return [(c, self.time_s(c)) for c in collectives]
+        quick = replace(self, intra=self.waits[0].back_to_back, waits=())
+        out = []
+        for c in collectives:
+            fast = quick.time_s(c)
+            if c.inter_node:
+                out.append((c, self.time_s(c)))
+                continue
+            calls = max(c.calls, 1)
+            share = {Overlap.forward: 1 / 3, Overlap.backward: 2 / 3}.get(c.overlaps)
+            before, waits = (compute_s * share / calls, calls) if share else (compute_s, min(c.calls, 1))
+            out.append((c, fast + waits * self._wait(c, before)))
+        return out
+
+    def _wait(self, c: Collective, before_s: float) -> float:
+        """What one call of `c` waits on top of its back-to-back time after `before_s` of compute."""
+        points = []
+        for m in self.waits:
+            after = collective_time(c, m.after.get(c.op) or m.after["all_reduce"])
+            quick = collective_time(c, m.back_to_back.get(c.op) or m.back_to_back["all_reduce"])
+            points.append((m.burst_s, max(after - quick, 0.0) / max(c.calls, 1)))
+        if before_s <= points[0][0]:
+            return points[0][1]
+        if before_s >= points[-1][0]:
+            return points[-1][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
+            if x0 <= before_s <= x1:
+                return y0 + (y1 - y0) * math.log(before_s / x0) / math.log(x1 / x0)
+        return points[-1][1]
 
     def time_s(self, c: Collective) -> float:
         links = self.inter if c.inter_node else self.intra
@@ -145,22 +201,28 @@ def load_profile(name: str) -> Profile:
     return Profile(path.stem, scope, link, first.lstrip("# ").strip(), efficiency)
 
 
-def commbench_stretch(path: Path) -> Stretch | None:
-    """The compute stretch a commbench after compute recorded, or None (one measured back to back)."""
+def after_compute(path: Path) -> tuple[AfterCompute, Stretch] | None:
+    """What a commbench after compute recorded (None: one measured back to back): its burst, the links
+    after it and back to back, and the compute stretch."""
     data = json.loads(path.read_text())
     compute = data.get("compute")
     if not compute:
         return None
-    return Stretch(float(compute["stretch"]), int(data["facts"].get("threads") or 1))
+    burst = AfterCompute(
+        float(compute["together_s"]),
+        commbench_links(path)[0],
+        commbench_links(path, "fits_back_to_back")[0],
+    )
+    return burst, Stretch(float(compute["stretch"]), int(data["facts"].get("threads") or 1))
 
 
-def commbench_links(path: Path) -> tuple[dict[str, Link], dict[str, Any]]:
+def commbench_links(path: Path, key: str = "fits") -> tuple[dict[str, Link], dict[str, Any]]:
     """Per-operation links from a commbench.json: its fits (time = alpha + bytes x beta, measured on
     its world size Wb) divided back into one link's: alpha / hops(op, Wb), beta / bus_factor(op, Wb),
     so that the same ring formulas carry them to any W."""
     try:
         data = json.loads(path.read_text())
-        facts, fits = data["facts"], data["fits"]
+        facts, fits = data["facts"], data[key]
         world = int(facts["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(
@@ -208,12 +270,13 @@ def fabric(
     notes, names = [], []
     per_node: dict[int, dict[str, Link]] = {}
     stretch: dict[int, Stretch] = {}
+    after: dict[int, list[AfterCompute]] = {}
     for bench in map(Path, benches):
         links, facts = commbench_links(bench)
         nodes = int(facts.get("nnodes", 1) or 1)
         where = "inter" if nodes > 1 else "intra"
-        after = facts.get("after_compute_ms")
-        timing = f"each call after {after:g} ms of compute" if after else "calls back to back"
+        after_ms = facts.get("after_compute_ms")
+        timing = f"each call after {after_ms:g} ms of compute" if after_ms else "calls back to back"
         notes.append(
             f"{where}-node links from {bench} ({facts.get('backend')}, {facts.get('world_size')} ranks "
             f"on {nodes} node(s), host {facts.get('host')}, {timing}): per op, the fit divided by its hops "
@@ -221,17 +284,27 @@ def fabric(
         )
         if nodes == 1:
             processes = int(facts["world_size"])
-            if processes in per_node:
+            measured = after_compute(bench)
+            if processes in per_node and (measured is None or processes not in after):
                 raise UserError(
                     f"two commbench results at {processes} processes on one node",
                     setting="--commbench",
-                    fix="give one result per process count",
+                    fix="give one result per process count (or several after compute, each after "
+                    "another commbench.after_compute_ms)",
                 )
-            per_node[processes] = links
+            per_node.setdefault(processes, links)
             intra = intra or links
-            measured = commbench_stretch(bench)
             if measured is not None:
-                stretch[processes] = measured
+                burst, found = measured
+                if any(m.burst_s == burst.burst_s for m in after.get(processes, [])):
+                    raise UserError(
+                        f"two commbench results after the same compute at {processes} processes",
+                        setting="--commbench",
+                        fix="give each process count's results after different commbench.after_compute_ms",
+                    )
+                if all(m.burst_s < burst.burst_s for m in after.get(processes, [])):
+                    stretch[processes] = found  # the longest burst's: the least disturbed by timing
+                after.setdefault(processes, []).append(burst)
         elif inter is None:
             inter = links
         names.append(f"commbench {bench.name}")
@@ -257,4 +330,6 @@ def fabric(
         intra = only_inter[0] if only_inter else inter
         notes.append("no intra-node profile given: links inside a node taken as the network's")
     assert intra is not None
-    return Fabric("+".join(names), intra, inter, tuple(notes), per_node, stretch)
+    by_burst = {w: tuple(sorted(ms, key=lambda m: m.burst_s)) for w, ms in after.items()}
+    fabric = Fabric("+".join(names), intra, inter, tuple(notes), per_node, stretch, by_burst)
+    return fabric.at(next(iter(per_node))) if per_node else fabric

@@ -228,7 +228,7 @@ class Predictor:
         job = self.workload(devices, nodes, strategy)
         metered = [c for c in strategy.communication(job=job) if c.counted > 0]
         try:
-            weights = [self.fabric.at(job.procs_per_node).time_s(c) for c in metered]
+            weights = [t for _, t in self.fabric.at(job.procs_per_node).timed(metered, step - comm)]
         except UserError:  # a multi-node run read with an intra-node fabric: split by bytes instead
             weights = [c.bytes for c in metered]
         timed = (
@@ -266,13 +266,12 @@ class Predictor:
             job = self.workload(devices, nodes)
             collectives = self.strategy.communication(job=job)
             share = self.strategy.compute_share(job=job)
-            links = self.fabric.at(job.procs_per_node)
-            timed = tuple((c, links.time_s(c)) for c in collectives)
+            processes = job.procs_per_node if self.strategy.uses_process_group else 1
+            compute = self.work_s * share / self.host.speed(processes, stretch=self.fabric.stretch)
+            timed = tuple(self.fabric.at(job.procs_per_node).timed(collectives, compute))
         except UserError as exc:
             nan = math.nan
             return Point(devices, nodes, 0, nan, nan, nan, nan, nan, nan, nan, note=str(exc))
-        processes = job.procs_per_node if self.strategy.uses_process_group else 1
-        compute = self.work_s * share / self.host.speed(processes, stretch=self.fabric.stretch)
         comm = sum(t for _, t in timed)
         exposed = comm - hidden_s(timed, compute, self._overlap(processes))
         step = compute + exposed
