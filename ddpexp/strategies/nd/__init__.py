@@ -251,9 +251,12 @@ class Nd(Strategy[NdConfig]):
         return FP16_OWN_STEP if degrees.tp > 1 or degrees.pp > 1 else None
 
     def compute_share(self, *, job: Workload) -> float:
-        """Each data shard's work (1/dp of the batch) split over the tp ranks."""
+        """Each data shard's work (1/dp of the batch) split over the tp ranks and the pp stages; with
+        stages, in m + pp - 1 micro-batch slots for m micro-batches: the bubble, as pipeline's."""
         degrees = self.degrees(job.world)
-        return 1.0 / (degrees.dp * degrees.tp * degrees.pp)
+        m, pp = self.settings.microbatches, degrees.pp
+        bubble = (m + pp - 1) / m if pp > 1 else 1.0
+        return bubble / (degrees.dp * degrees.tp * pp)
 
     def held(self, *, job: Workload) -> list[Held]:
         """Each rank its stage's part (pipeline's `stage_held`, with pp > 1), each parameter of it as
