@@ -169,3 +169,41 @@ def test_the_emitted_file_runs_the_recommended_plan_and_its_command_passes_prefl
     assert args[-2:] == ["device=cuda", "backend=nccl"] and all(o in args for o in chosen)
     assert "trainer.batch_size=64" in args
     preflight(args, load_cluster("8xh100_sxm", nodes=2))  # what a run on that cluster would check first
+
+
+def test_verify_runs_the_first_plans_here_and_prints_the_regret(tmp_path: Path):
+    """--verify 2 on this machine's profile: the two first plans that fit run here (2 processes, gloo),
+    their predicted and measured step times side by side, and the regret of the recommended one."""
+    tiny = [
+        "model=gpt_tiny",
+        "data=synthetic_tokens",
+        "task=lm",
+        "data.train_tokens=8192",
+        "data.eval_tokens=1024",
+    ]
+    args = [*tiny, "trainer.batch_size=8", "--cluster", "cpu_host", "--verify", "2"]
+    result = run_here(tmp_path, "plan", *args, "--verify-dir", str(tmp_path / "verify"))
+    assert result.returncode == 0, result
+    lines = result.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Verified here: the first 2 plans"))
+    assert lines[start + 1].split()[:3] == ["plan", "predicted", "step"]
+    rows = lines[start + 2 : start + 4]
+    recommended = next(line for line in lines if line.startswith("Recommended: "))
+    assert recommended.removeprefix("Recommended: ").startswith(rows[0].split("  ")[0])
+    for row in rows:
+        predicted, measured, ratio = row.split()[-3:]
+        ratio_of_printed = float(measured) / float(predicted)  # each printed to 3 places
+        assert float(measured) > 0 and float(ratio) == pytest.approx(ratio_of_printed, rel=0.15)
+    assert re.match(r"Regret: \d+%: the recommended plan, ", lines[-1]), lines[-1]
+    runs = sorted(p.name for p in (tmp_path / "verify").iterdir())
+    assert len(runs) == 2 and all(r.endswith("-r0") for r in runs)
+    for run in runs:
+        assert json.loads((tmp_path / "verify" / run / "metrics.json").read_text())["status"] == "completed"
+
+
+def test_verify_refuses_a_cluster_that_is_not_this_machine(tmp_path: Path):
+    result = plan(tmp_path, "--cluster", "8xh100_sxm", "--verify", "3")
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("ddpexp plan: error: --cluster: --verify runs the plans on this machine"), line
+    assert not (tmp_path / "outputs").exists()

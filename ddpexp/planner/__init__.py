@@ -18,12 +18,14 @@ parallelism, pipeline stages and FSDP, HSDP over nodes, pipeline with replicas):
   cost        steps to the target (--tokens or --epochs) x step time x devices x price per device-hour
 
 A candidate is first checked as pre-flight would check its command under torchrun on the cluster;
-`--emit` writes the file that runs the recommended one (emit.py).
+`--emit` writes the file that runs the recommended one (emit.py); on a profile of this machine
+(conf/cluster/cpu_host.yaml) `--verify K` runs the first K (verify.py).
 
 The package, one concern a module:
   profiles.py   cluster profiles (conf/cluster/*.yaml) and their checks
   estimate.py   the candidates and one estimate each
   emit.py       the torchrun script, sbatch script or SkyPilot task of a plan
+  verify.py     --verify K: the first K plans run on this machine, and the regret of the first choice
   cli.py        the command line, the table (--format table|md|csv|json), the recommendation
 """
 

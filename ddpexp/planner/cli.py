@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from . import emit
+from . import emit, verify
 from .estimate import Estimate, candidates, estimate, job_of, launch_args
 from .profiles import GIB, Cluster, cluster_names, load_cluster
 
@@ -41,6 +41,17 @@ def parser() -> argparse.ArgumentParser:
         help="write the file that runs the recommended plan on the cluster",
     )
     p.add_argument("--emit-to", type=Path, help="where --emit writes (default: plan_torchrun.sh, ...)")
+    p.add_argument(
+        "--verify",
+        type=int,
+        metavar="K",
+        help="run the first K plans that fit on this machine (a CPU profile of it) and print the regret",
+    )
+    p.add_argument("--verify-rounds", type=int, default=1, help="runs of each plan, in turn (medians)")
+    p.add_argument("--verify-epochs", type=int, default=2, help="epochs a run (the first is left out)")
+    p.add_argument(
+        "--verify-dir", type=Path, help="where the runs go (default: outputs/DATE/TIME_plan_verify)"
+    )
     return p
 
 
@@ -51,15 +62,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpexp plan: error: {flags[0]} is not an option (ddpexp plan --help)", file=sys.stderr)
         return UserError.exit_code
     try:
+        if args.verify is not None:
+            verify.check(load_cluster(args.cluster, nodes=args.nodes, price=args.price), args.verify)
+            if args.verify_rounds < 1 or args.verify_epochs < 2:
+                raise UserError(
+                    f"--verify-rounds {args.verify_rounds}, --verify-epochs {args.verify_epochs}",
+                    setting="--verify-epochs",
+                    fix="give 1 round or more and 2 epochs or more (a run's first epoch is left out)",
+                )
         results, cluster, job = plan(args, overrides)
     except UserError as exc:
         print(f"ddpexp plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(render(results, cluster, args, job), end="")
+    if args.verify is not None:
+        out = args.verify_dir or verify.default_out()
+        ran = verify.verify(
+            results, job, cluster, args.verify, rounds=args.verify_rounds, epochs=args.verify_epochs, out=out
+        )
+        print()
+        print(verify.render(ran, cluster, args.verify_rounds, args.verify_epochs, out), end="")
     if args.emit:
         best = next(r for r in results if r.note is None and r.fits)
         try:
-            cmd = launch_args(overrides, best.candidate.overrides)
+            cmd = launch_args(overrides, best.candidate.overrides, cluster)
             path = emit.write(args.emit, args.emit_to, cluster, cmd, best.time_s / 3600, best.candidate.label)
         except UserError as exc:
             print(f"ddpexp plan: error: --emit {args.emit}: {exc}", file=sys.stderr)

@@ -99,12 +99,12 @@ class Estimate:
     cost: float = math.nan
 
 
-def launch_args(overrides: list[str], plan_overrides: list[str]) -> list[str]:
+def launch_args(overrides: list[str], plan_overrides: list[str], cluster: Cluster) -> list[str]:
     """The ddpexp command line of a plan: the user's overrides, the plan's strategy and mesh (which win),
-    on the cluster's GPUs."""
+    on the cluster's devices."""
     mine = {o.split("=", 1)[0] for o in plan_overrides}
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in mine]
-    return [*kept, *plan_overrides, "device=cuda", "backend=nccl"]
+    return [*kept, *plan_overrides, *cluster.launch]
 
 
 def preflight(args: list[str], cluster: Cluster) -> None:
@@ -114,7 +114,8 @@ def preflight(args: list[str], cluster: Cluster) -> None:
     from ..plan import ExternalWorld, HostFacts
     from ..preflight import check_job
 
-    host = HostFacts(cuda_devices=cluster.devices_per_node, nccl=True, gloo=True, mpi=False)
+    gpus = cluster.devices_per_node if cluster.device_type == "cuda" else 0
+    host = HostFacts(cuda_devices=gpus, nccl=gpus > 0, gloo=True, mpi=False)
     world = ExternalWorld(world_size=cluster.devices, local_world_size=cluster.devices_per_node)
     with composition.composer() as compose:
         cfg = compose(args)
@@ -180,7 +181,7 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
     from ..strategies.comm import Workload
 
     try:
-        preflight(launch_args(job.overrides, candidate.overrides), cluster)
+        preflight(launch_args(job.overrides, candidate.overrides, cluster), cluster)
         strategy = strategies.resolve(candidate.section)
         world = cluster.devices
         ranks = predict(job.cfg, world=world, global_batch=job.global_batch, strategy=strategy)
@@ -203,18 +204,21 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         nodes=cluster.nodes,
         global_batch=job.global_batch,
         accumulate=int(job.cfg.trainer.accumulate),
-        device_type="cuda",
+        device_type=cluster.device_type,
         input_shape=(job.seq_len,),
         input_dtype=torch.long,
     )
     precision = Precision.of(job.cfg.trainer.precision)
-    peak = cluster.peak_tflops["bf16" if precision != Precision.fp32 else "tf32"] * 1e12
+    peak = cluster.peak_flops(precision.name)
     step_flops = job.flops_per_token * job.global_batch * job.seq_len
     if ActivationCheckpointing(job.cfg.trainer.activation_checkpointing) == ActivationCheckpointing.full:
         step_flops *= 4 / 3  # the forward again, in the backward
     compute = step_flops * strategy.compute_share(job=work) / (peak * cluster.achieved_mfu)
     timed = [(c, fabric.time_s(c)) for c in strategy.communication(job=work)]
-    exposed = sum(t for _, t in timed) - hidden_s(timed, compute, 1.0)
+    # On a CPU every core computes (one process each), so gloo's threads have none to hide on.
+    exposed = sum(t for _, t in timed) - hidden_s(
+        timed, compute, 1.0 if cluster.device_type == "cuda" else 0.0
+    )
     step = compute + exposed
     tokens = job.global_batch * job.seq_len
     steps = math.ceil(job.target_tokens / tokens) if job.target_tokens else math.nan

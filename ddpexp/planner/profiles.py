@@ -27,6 +27,19 @@ class Cluster:
     reserve_gib: float
     price_per_device_hour: float
     accelerator: str | None = None  # SkyPilot's name for the device (--emit skypilot)
+    device_type: str = "cuda"  # cpu: a device is a process of one thread on a core of its own (gloo)
+
+    def peak_flops(self, precision: str) -> float:
+        """The dense peak its matmuls run at: bf16 for mixed precision; fp32 work runs as tf32 on a GPU."""
+        kind = "bf16" if precision != "fp32" else "tf32" if self.device_type == "cuda" else "fp32"
+        return self.peak_tflops[kind] * 1e12
+
+    @property
+    def launch(self) -> list[str]:
+        """The overrides a run on it starts with."""
+        return (
+            ["device=cuda", "backend=nccl"] if self.device_type == "cuda" else ["device=cpu", "backend=gloo"]
+        )
 
     @property
     def devices(self) -> int:
@@ -74,7 +87,14 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
         reserve_gib=float(raw.get("reserve_gib") or 0.0),
         price_per_device_hour=fields.positive("price_per_device_hour") if price is None else price,
         accelerator=None if raw.get("accelerator") is None else str(raw["accelerator"]),
+        device_type=str(fields.mapping("device").get("type", "cuda")),
     )
+    if cluster.device_type not in ("cuda", "cpu"):
+        raise UserError(
+            f"device.type {cluster.device_type!r}",
+            setting=f"{path.name}: device.type",
+            fix="give cuda (the default) or cpu",
+        )
     if cluster.achieved_mfu > 1:
         raise UserError(
             f"achieved_mfu is a share of the peak, got {cluster.achieved_mfu}",
