@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -207,3 +208,20 @@ def test_verify_refuses_a_cluster_that_is_not_this_machine(tmp_path: Path):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("ddpexp plan: error: --cluster: --verify runs the plans on this machine"), line
     assert not (tmp_path / "outputs").exists()
+
+
+def test_plot_draws_predicted_time_against_cost(tmp_path: Path):
+    """--plot FILE: a PNG of every plan that runs, time to the target against its cost (without a
+    target: step time against the cost of a million tokens)."""
+    from ddpexp.planner import picture
+    from ddpexp.planner.estimate import Candidate, Estimate
+
+    result = plan(tmp_path, "--cluster", "8xh100_sxm", "--tokens", "1e9", "--plot", str(tmp_path / "p.png"))
+    assert result.returncode == 0, result
+    assert f"wrote {tmp_path / 'p.png'}: predicted time against cost" in result.stdout
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cluster = load_cluster("8xh100_sxm")
+    r = Estimate(Candidate("ddp", {"name": "ddp"}), step_s=2.0, tokens_per_s=1000.0, time_s=7200.0, cost=50.0)
+    assert picture.axes(r, cluster, SimpleNamespace(target_tokens=1e9)) == (2.0, 50.0)
+    per_million = 8 * 2.49 / 3600 / 1000.0 * 1e6  # the cluster's dollars a second over tokens a second
+    assert picture.axes(r, cluster, SimpleNamespace(target_tokens=0)) == pytest.approx((2.0, per_million))

@@ -25,6 +25,7 @@ The package, one concern a module:
   profiles.py   cluster profiles (conf/cluster/*.yaml) and their checks
   estimate.py   the candidates and one estimate each
   emit.py       the torchrun script, sbatch script or SkyPilot task of a plan
+  picture.py    --plot FILE: predicted time against cost, a point per plan
   verify.py     --verify K: the first K plans run on this machine, and the regret of the first choice
   cli.py        the command line, the table (--format table|md|csv|json), the recommendation
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from . import emit, verify
+from . import emit, picture, verify
 from .estimate import Estimate, candidates, estimate, job_of, launch_args
 from .profiles import GIB, Cluster, cluster_names, load_cluster
 
@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
         help="write the file that runs the recommended plan on the cluster",
     )
     p.add_argument("--emit-to", type=Path, help="where --emit writes (default: plan_torchrun.sh, ...)")
+    p.add_argument("--plot", type=Path, help="draw predicted time against cost per plan into this PNG")
     p.add_argument(
         "--verify",
         type=int,
@@ -75,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpexp plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(render(results, cluster, args, job), end="")
+    if args.plot:
+        print(f"wrote {picture.write(args.plot, results, cluster, job)}: predicted time against cost")
     if args.verify is not None:
         out = args.verify_dir or verify.default_out()
         ran = verify.verify(
