@@ -319,8 +319,9 @@ def test_a_call_waits_after_compute_as_long_as_measured_after_a_burst_as_long_as
     interleave with the backward pass (4 buckets) each follow a quarter of its 2/3 of the compute;
     the calls of a collective between compute (3 broadcasts) wait once, after the whole compute."""
     quick = {"all_reduce": Link(1e-4, 0.0)}
-    short = interconnect.AfterCompute(1e-3, {"all_reduce": Link(2e-4, 0.0)}, quick)  # waits 1e-4 a hop
-    long = interconnect.AfterCompute(1e-2, {"all_reduce": Link(5e-4, 0.0)}, quick)  # waits 4e-4 a hop
+    same = interconnect.Stretch(1.0, 1)
+    short = interconnect.AfterCompute(1e-3, {"all_reduce": Link(2e-4, 0.0)}, quick, same)  # waits 1e-4 a hop
+    long = interconnect.AfterCompute(1e-2, {"all_reduce": Link(5e-4, 0.0)}, quick, same)  # waits 4e-4 a hop
     fabric = interconnect.Fabric("t", quick, None, waits=(short, long))
     buckets = Collective("g", "all_reduce", 0.0, 2, calls=4, overlaps=Overlap.backward)
     broadcasts = Collective("p", "broadcast", 0.0, 2, calls=3)

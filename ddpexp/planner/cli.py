@@ -63,15 +63,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpexp plan: error: {flags[0]} is not an option (ddpexp plan --help)", file=sys.stderr)
         return UserError.exit_code
     try:
+        cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
         if args.verify is not None:
-            verify.check(load_cluster(args.cluster, nodes=args.nodes, price=args.price), args.verify)
+            verify.check(cluster, args.verify)
             if args.verify_rounds < 1 or args.verify_epochs < 2:
                 raise UserError(
                     f"--verify-rounds {args.verify_rounds}, --verify-epochs {args.verify_epochs}",
                     setting="--verify-epochs",
                     fix="give 1 round or more and 2 epochs or more (a run's first epoch is left out)",
                 )
-        results, cluster, job = plan(args, overrides)
+        results, job = plan(args, overrides, cluster)
     except UserError as exc:
         print(f"ddpexp plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -97,11 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def plan(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Estimate], Cluster, Any]:
+def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tuple[list[Estimate], Any]:
     from .. import composition
     from ..predict.interconnect import fabric
 
-    cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
     with composition.composer() as compose:
         cfg = compose(overrides)
     job = job_of(overrides, cfg, tokens=args.tokens if args.epochs is None else None, epochs=args.epochs)
@@ -123,7 +123,7 @@ def plan(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Estimate]
     # Without a target there is no cost: by step time (cost per token follows it on one cluster).
     key = (lambda r: r.cost) if args.by == "cost" and job.target_tokens else (lambda r: r.step_s)
     results.sort(key=lambda r: (r.note is not None, not r.fits, key(r) if r.note is None else 0.0))
-    return results, cluster, job
+    return results, job
 
 
 def _duration(seconds: float) -> str:

@@ -177,7 +177,7 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
     """One candidate on `cluster`: memory, step time, throughput, MFU, bytes, time and cost to target."""
     from .. import strategies
     from ..predict.memory import predict
-    from ..predict.model import hidden_s
+    from ..predict.model import Host, hidden_s
     from ..strategies.comm import Workload
 
     try:
@@ -215,10 +215,10 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         step_flops *= 4 / 3  # the forward again, in the backward
     compute = step_flops * strategy.compute_share(job=work) / (peak * cluster.achieved_mfu)
     timed = [(c, fabric.time_s(c)) for c in strategy.communication(job=work)]
-    # On a CPU every core computes (one process each), so gloo's threads have none to hide on.
-    exposed = sum(t for _, t in timed) - hidden_s(
-        timed, compute, 1.0 if cluster.device_type == "cuda" else 0.0
-    )
+    # A CPU profile's device is a one-thread process on a core of its own.
+    host = Host(cluster.device_type, cores=cluster.devices_per_node, threads=1)
+    overlap = host.overlap_efficiency(cluster.devices_per_node)
+    exposed = sum(t for _, t in timed) - hidden_s(timed, compute, overlap)
     step = compute + exposed
     tokens = job.global_batch * job.seq_len
     steps = math.ceil(job.target_tokens / tokens) if job.target_tokens else math.nan

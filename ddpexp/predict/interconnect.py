@@ -15,7 +15,7 @@ from typing import Any
 from .. import composition
 from ..commbench import bus_factor
 from ..errors import UserError
-from ..strategies.comm import COLLECTIVE_OPS, Collective, Overlap
+from ..strategies.comm import COLLECTIVE_OPS, PASS_SHARE, Collective
 
 PROFILE_SCOPES = ("intra", "inter", "both")
 
@@ -76,6 +76,7 @@ class AfterCompute:
     burst_s: float
     after: dict[str, Link]
     back_to_back: dict[str, Link]
+    stretch: Stretch
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,12 @@ class Fabric:
         quick = replace(self, intra=self.waits[0].back_to_back, waits=())
         out = []
         for c in collectives:
-            fast = quick.time_s(c)
             if c.inter_node:
                 out.append((c, self.time_s(c)))
                 continue
+            fast = quick.time_s(c)
             calls = max(c.calls, 1)
-            share = {Overlap.forward: 1 / 3, Overlap.backward: 2 / 3}.get(c.overlaps)
+            share = PASS_SHARE.get(c.overlaps)
             before, waits = (compute_s * share / calls, calls) if share else (compute_s, min(c.calls, 1))
             out.append((c, fast + waits * self._wait(c, before)))
         return out
@@ -201,35 +202,45 @@ def load_profile(name: str) -> Profile:
     return Profile(path.stem, scope, link, first.lstrip("# ").strip(), efficiency)
 
 
-def after_compute(path: Path) -> tuple[AfterCompute, Stretch] | None:
-    """What a commbench after compute recorded (None: one measured back to back): its burst, the links
-    after it and back to back, and the compute stretch."""
-    data = json.loads(path.read_text())
-    compute = data.get("compute")
-    if not compute:
-        return None
-    burst = AfterCompute(
-        float(compute["together_s"]),
-        commbench_links(path)[0],
-        commbench_links(path, "fits_back_to_back")[0],
-    )
-    return burst, Stretch(float(compute["stretch"]), int(data["facts"].get("threads") or 1))
-
-
-def commbench_links(path: Path, key: str = "fits") -> tuple[dict[str, Link], dict[str, Any]]:
-    """Per-operation links from a commbench.json: its fits (time = alpha + bytes x beta, measured on
-    its world size Wb) divided back into one link's: alpha / hops(op, Wb), beta / bus_factor(op, Wb),
-    so that the same ring formulas carry them to any W."""
+def read_commbench(path: Path) -> tuple[dict[str, Link], dict[str, Any], AfterCompute | None]:
+    """A commbench.json's per-operation links (`commbench_links`), its facts, and, for a result after
+    compute, the burst, the back-to-back links and the compute stretch (None: calls back to back)."""
     try:
         data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
+    links, facts = commbench_links(data, path)
+    compute = data.get("compute")
+    if not compute:
+        return links, facts, None
+    try:
+        stretch = Stretch(float(compute["stretch"]), int(facts.get("threads") or 1))
+        burst_s = float(compute["together_s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
+    quick = commbench_links(data, path, "fits_back_to_back")[0]
+    return links, facts, AfterCompute(burst_s, links, quick, stretch)
+
+
+def _unreadable(path: Path, exc: Exception) -> UserError:
+    return UserError(
+        f"cannot read {path} as a commbench result ({type(exc).__name__}: {exc})",
+        setting="--commbench",
+        fix="give the commbench.json that python -m ddpexp.commbench wrote (facts, results, fits)",
+    )
+
+
+def commbench_links(
+    data: dict[str, Any], path: Path, key: str = "fits"
+) -> tuple[dict[str, Link], dict[str, Any]]:
+    """Per-operation links from a commbench.json's `data` (read from `path`): its fits (time = alpha +
+    bytes x beta, measured on its world size Wb) divided back into one link's: alpha / hops(op, Wb),
+    beta / bus_factor(op, Wb), so that the same ring formulas carry them to any W."""
+    try:
         facts, fits = data["facts"], data[key]
         world = int(facts["world_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(
-            f"cannot read {path} as a commbench result ({type(exc).__name__}: {exc})",
-            setting="--commbench",
-            fix="give the commbench.json that python -m ddpexp.commbench wrote (facts, results, fits)",
-        ) from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _unreadable(path, exc) from exc
     if world < 2:
         raise UserError(
             f"{path} was measured on {world} rank: no link to fit",
@@ -269,10 +280,9 @@ def fabric(
     inter: dict[str, Link] | None = None
     notes, names = [], []
     per_node: dict[int, dict[str, Link]] = {}
-    stretch: dict[int, Stretch] = {}
     after: dict[int, list[AfterCompute]] = {}
     for bench in map(Path, benches):
-        links, facts = commbench_links(bench)
+        links, facts, measured = read_commbench(bench)
         nodes = int(facts.get("nnodes", 1) or 1)
         where = "inter" if nodes > 1 else "intra"
         after_ms = facts.get("after_compute_ms")
@@ -284,7 +294,6 @@ def fabric(
         )
         if nodes == 1:
             processes = int(facts["world_size"])
-            measured = after_compute(bench)
             if processes in per_node and (measured is None or processes not in after):
                 raise UserError(
                     f"two commbench results at {processes} processes on one node",
@@ -295,16 +304,13 @@ def fabric(
             per_node.setdefault(processes, links)
             intra = intra or links
             if measured is not None:
-                burst, found = measured
-                if any(m.burst_s == burst.burst_s for m in after.get(processes, [])):
+                if any(m.burst_s == measured.burst_s for m in after.get(processes, [])):
                     raise UserError(
                         f"two commbench results after the same compute at {processes} processes",
                         setting="--commbench",
                         fix="give each process count's results after different commbench.after_compute_ms",
                     )
-                if all(m.burst_s < burst.burst_s for m in after.get(processes, [])):
-                    stretch[processes] = found  # the longest burst's: the least disturbed by timing
-                after.setdefault(processes, []).append(burst)
+                after.setdefault(processes, []).append(measured)
         elif inter is None:
             inter = links
         names.append(f"commbench {bench.name}")
@@ -331,5 +337,6 @@ def fabric(
         notes.append("no intra-node profile given: links inside a node taken as the network's")
     assert intra is not None
     by_burst = {w: tuple(sorted(ms, key=lambda m: m.burst_s)) for w, ms in after.items()}
+    stretch = {w: ms[-1].stretch for w, ms in by_burst.items()}  # the longest burst's: least disturbed
     fabric = Fabric("+".join(names), intra, inter, tuple(notes), per_node, stretch, by_burst)
     return fabric.at(next(iter(per_node))) if per_node else fabric

@@ -12,15 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..strategies.comm import Collective, Overlap, Workload
+from ..strategies.comm import PASS_SHARE, Collective, Workload
 from .interconnect import Fabric, Stretch, fabric
 from .measured import MeasuredRun
 from .shapes import ModelShape, model_shape
-
-# The share of a step's compute that the backward pass takes (about twice the forward's for dense
-# layers: the gradients of the inputs and of the weights), and so the forward's.
-BACKWARD_SHARE = 2 / 3
-FORWARD_SHARE = 1 - BACKWARD_SHARE
 
 
 def target_strategy(run: MeasuredRun, name: str | None = None, overrides: Sequence[str] = ()) -> Any:
@@ -117,7 +112,7 @@ def hidden_s(timed: Sequence[tuple[Collective, float]], compute_s: float, effici
     2/3), what may overlap it, less its last call (which starts when the pass has nothing left to
     compute: DDP's last bucket, FSDP's last reduce-scatter), up to the pass's time x efficiency."""
     hidden = 0.0
-    for phase, share in ((Overlap.forward, FORWARD_SHARE), (Overlap.backward, BACKWARD_SHARE)):
+    for phase, share in PASS_SHARE.items():
         items = [(c, t) for c, t in timed if c.overlaps == phase and t > 0]
         if not items:
             continue

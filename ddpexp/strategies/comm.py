@@ -255,6 +255,12 @@ class Overlap(StrEnum):
     backward = "backward"
 
 
+# The share of a step's compute each pass takes: the backward about twice the forward's for dense
+# layers (the gradients of the inputs and of the weights). What a communication overlapping a pass
+# can hide behind, or follows.
+PASS_SHARE = {Overlap.forward: 1 / 3, Overlap.backward: 2 / 3}
+
+
 @dataclass(frozen=True)
 class Collective:
     """One kind of communication a strategy does in every optimizer step.

@@ -137,7 +137,7 @@ class Pipeline(Strategy[PipelineConfig]):
         textbook bubble (p - 1)/(m + p - 1) of idle slots. Assumes equal stages."""
         p, m = self.settings.stages, self.settings.microbatches
         replicas = _replicas(self.settings, job.world)
-        return (m + p - 1) / (m * p * replicas)
+        return schedule_slots(m, p) / (p * replicas)
 
     def held(self, *, job: Workload) -> list[Held]:
         """Each rank its stage's part of the model (rank = replica x stages + stage), `stage_held`."""
@@ -205,6 +205,12 @@ class Pipeline(Strategy[PipelineConfig]):
         self, wrapped: Wrapped, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         _runner(wrapped).load_optimizer_state(optimizer, state)
+
+
+def schedule_slots(microbatches: int, stages: int) -> float:
+    """The micro-batch slots a schedule of m micro-batches over p stages takes, per micro-batch:
+    (m + p - 1) / m, the textbook bubble (forward, then backward) on top of the work."""
+    return (microbatches + stages - 1) / microbatches
 
 
 def stage_held(

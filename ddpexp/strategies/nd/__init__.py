@@ -62,7 +62,15 @@ from ..fsdp import (
     unit_shards,
     units_and_ties,
 )
-from ..pipeline import Schedule, StageLayout, StageRunner, check_microbatches, check_stages, stage_held
+from ..pipeline import (
+    Schedule,
+    StageLayout,
+    StageRunner,
+    check_microbatches,
+    check_stages,
+    schedule_slots,
+    stage_held,
+)
 from . import tensor_parallel
 from .degrees import NAMES, Degrees, resolve
 
@@ -254,9 +262,8 @@ class Nd(Strategy[NdConfig]):
         """Each data shard's work (1/dp of the batch) split over the tp ranks and the pp stages; with
         stages, in m + pp - 1 micro-batch slots for m micro-batches: the bubble, as pipeline's."""
         degrees = self.degrees(job.world)
-        m, pp = self.settings.microbatches, degrees.pp
-        bubble = (m + pp - 1) / m if pp > 1 else 1.0
-        return bubble / (degrees.dp * degrees.tp * pp)
+        bubble = schedule_slots(self.settings.microbatches, degrees.pp) if degrees.pp > 1 else 1.0
+        return bubble / (degrees.dp * degrees.tp * degrees.pp)
 
     def held(self, *, job: Workload) -> list[Held]:
         """Each rank its stage's part (pipeline's `stage_held`, with pp > 1), each parameter of it as
