@@ -5,7 +5,10 @@ rank 0 writes the results (commbench.json, commbench.png) and prints the table.
 Timing, per op and size: `warmup` untimed calls, a barrier, then `iters` calls back to back on each
 rank (the device synchronised before the clock starts and stops); a rank's time is the mean per
 call, and the time reported is the largest over the ranks (the slowest rank sets the pace of a
-collective). Each measurement beats the heartbeat, so the launcher's hang detection keeps working.
+collective). After compute (`after_compute_ms` > 0), each timed call follows a burst of compute on
+every rank instead (`time_after_compute`: the mean over calls and ranks, waits included), and the
+same calls are then timed back to back as above. Each measurement beats the heartbeat, so the
+launcher's hang detection keeps working.
 """
 
 from __future__ import annotations
