@@ -221,6 +221,30 @@ def test_nd_s_pipeline_stages_carry_the_same_bubble_as_pipeline():
     assert tp.compute_share(job=job(4)) == pytest.approx(1 / 4)  # no stages: no bubble
 
 
+def test_nd_s_groups_cross_the_network_only_where_their_ranks_lie_on_two_machines():
+    """2 nodes of 4: ranks lie tp innermost, then dp_shard, dp_replicate, pp (torchtitan's order), so
+    HSDP's shard group stays in a node and only its replicas' all-reduce crosses; FSDP over all 8 does
+    cross; a pipeline's stages of 4 ranks each sit on a machine and send to the other."""
+
+    def links(**degrees) -> list[tuple[str, bool]]:
+        nd = strategies.resolve({"name": "nd", **degrees})
+        return [(c.op, c.inter_node) for c in nd.communication(job=job(8, nodes=2))]
+
+    hsdp = links(dp_replicate=2, dp_shard=-1)
+    assert {op: inter for op, inter in hsdp} == {
+        "all_gather": False,
+        "reduce_scatter": False,
+        "all_reduce": True,
+    }
+    assert {inter for _, inter in links(dp_shard=-1)} == {True}  # 8 shards on two machines
+    staged = links(pp=2, dp_shard=-1, microbatches=4)
+    assert {op: inter for op, inter in staged} == {
+        "all_gather": False,
+        "reduce_scatter": False,
+        "sendrecv": True,
+    }
+
+
 def test_a_commbench_fit_comes_back_at_its_own_size(tmp_path: Path):
     """Per-op fits divided into a link's alpha and beta, then costed again by the ring formulas at the
     benchmark's world size, give back the fitted time exactly."""

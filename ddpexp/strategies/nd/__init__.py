@@ -377,7 +377,10 @@ class Nd(Strategy[NdConfig]):
         schedule step)."""
         staged = degrees.pp > 1
         reduces = job.accumulate if staged else 1
-        spans = job.nodes > 1  # a data-parallel group's ranks lie tp x ... apart: across nodes if any
+        # Ranks lie tp innermost, then dp_shard, dp_replicate (degrees.py): a shard group is tp x
+        # dp_shard consecutive ranks, a replica group spans tp x dp_shard x dp_replicate.
+        shard_spans = job.spans_nodes(degrees.tp * degrees.dp_shard)
+        replica_spans = job.spans_nodes(degrees.tp * degrees.dp_shard * degrees.dp_replicate)
         shards = unit_shards(unit_params(job.model), degrees.dp_shard, shapes=shapes)
         out = sharded_traffic(
             shards,
@@ -385,7 +388,7 @@ class Nd(Strategy[NdConfig]):
             gathers=job.accumulate,
             reduces=reduces,
             again=self.settings.reshard_after_forward and not staged,
-            inter_node=spans,
+            inter_node=shard_spans,
         )
         if degrees.dp_replicate > 1 and shards:
             reduced = float(sum(shards)) * reduces
@@ -398,7 +401,7 @@ class Nd(Strategy[NdConfig]):
                     len(shards) * reduces,
                     Overlap.backward,
                     counted=reduced,
-                    inter_node=spans,
+                    inter_node=replica_spans,
                 )
             )
         return out
