@@ -8,6 +8,11 @@ how often the fastest strategy predicted at a W is the fastest measured there (t
     python scripts/predict_vs_measured.py                       # digits, ddp and fsdp at W = 2, 3, 4
     python scripts/predict_vs_measured.py --strategies ddp,zero,fsdp --epochs 5 --commbench FILE
     python scripts/predict_vs_measured.py --repeats 3          # medians over 3 rounds, with ranges
+    python scripts/predict_vs_measured.py --repeats 3 --record ddpexp/predict/validation.json
+
+--record FILE keeps every (strategy, W, round) predicted and measured, with the machine and the date:
+the record `ddpexp plan` draws its intervals from (ddpexp/predict/validation.json is the one it ships;
+`ddpexp plan --validation FILE` takes yours).
 
 The commbench results (one per W and burst length, measured first) time each collective after
 --burst-ms of compute (10; with several lengths, e.g. 1,10, a wait is interpolated between them), as
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,6 +41,7 @@ from pathlib import Path
 import ddpexp
 from ddpexp.predict import MeasuredRun, Predictor
 from ddpexp.predict.interconnect import fabric as make_fabric
+from ddpexp.predict.validation import Case, Validation, save
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -92,6 +100,8 @@ def main() -> int:
     )
     p.add_argument("--back-to-back", action="store_true", help="benchmark collectives back to back")
     p.add_argument("--interconnect", help="a profile to use instead of a commbench (e.g. localhost_gloo)")
+    p.add_argument("--record", type=Path, help="write every case here (the planner's intervals)")
+    p.add_argument("--machine", help="what --record says it ran on (default: cores, CPU, OS)")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     strategies = args.strategies.split(",")
@@ -142,6 +152,9 @@ def main() -> int:
     )
     print(render(rounds, args.batch))
     print(summary(rounds, worlds))
+    if args.record:
+        machine = args.machine or f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}"
+        print(f"\nwrote {save(record(rounds, machine), args.record)}")
     print(
         "\nerr = (predicted - measured) / measured, of the medians over rounds; in brackets, with several "
         "rounds, the smallest and largest error of one round (each prediction against its own round's "
@@ -159,6 +172,16 @@ class Row:
     bytes_meas: float
     exposed_pred: float
     comm_meas: float
+
+
+def record(rounds: list[dict[tuple[str, int], Row]], machine: str) -> Validation:
+    cases = tuple(
+        Case(strategy, world, r, row.step_pred, row.step_meas)
+        for r, rows in enumerate(rounds)
+        for (strategy, world), row in rows.items()
+    )
+    command = shlex.join(["python", "scripts/predict_vs_measured.py", *sys.argv[1:]])
+    return Validation(machine, time.strftime("%Y-%m-%d"), command, cases)
 
 
 def summary(rounds: list[dict[tuple[str, int], Row]], worlds: list[int]) -> str:

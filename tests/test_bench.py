@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpexp.predict import validation
+
 from .conftest import REPO, start_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -140,7 +142,9 @@ def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_pat
         "--strategies=ddp",
         "--interconnect=localhost_gloo",
         "--repeats=2",
-        f"--out={tmp_path}",
+        f"--out={tmp_path / 'runs'}",
+        f"--record={tmp_path / 'record.json'}",
+        "--machine=the test's host",
     )
     assert lines[0].startswith("host: ") and lines[1].startswith("fabric: ")
     (row,) = [ln for ln in lines if ln.split()[:2] == ["ddp", "2"]]
@@ -149,7 +153,14 @@ def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_pat
     assert re.match(shape, row), row
     bytes_pred, bytes_meas = (int(v.replace(",", "")) for v in row.split()[-4:-2])
     assert bytes_pred == bytes_meas == 116_536  # the ConvNet's gradients + DDP's buffer broadcast
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp-2-r0", "ddp-2-r1", "single-r0", "single-r1"]
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert runs == ["ddp-2-r0", "ddp-2-r1", "single-r0", "single-r1"]
+    # The record the planner's ranges come from: each round's prediction against its measurement.
+    record = validation.load(tmp_path / "record.json")
+    assert [(c.strategy, c.world, c.round) for c in record.cases] == [("ddp", 2, 0), ("ddp", 2, 1)]
+    assert record.machine == "the test's host" and "--repeats=2" in record.command
+    low, high = (f"{v:+.0%}" for v in sorted((1 / c.ratio - 1) for c in record.cases))
+    assert f"({low} to {high})" in row  # the same errors the table printed
 
 
 def test_activation_checkpointing_benchmark_prints_memory_and_time_against_none():

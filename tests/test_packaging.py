@@ -33,6 +33,7 @@ def test_every_config_folder_is_declared_and_the_wheel_holds_every_yaml(tmp_path
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {"ddpexp/conf/" + str(p.relative_to(REPO / "conf")) for p in (REPO / "conf").rglob("*.yaml")}
     assert shipped <= names, sorted(shipped - names)
+    assert "ddpexp/predict/validation.json" in names  # the record ddpexp plan's ranges come from
     modules = {str(p.relative_to(REPO)) for p in (REPO / "ddpexp").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     packed = {n for n in names if n.startswith("ddpexp/") and n.endswith(".py")}

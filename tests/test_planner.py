@@ -15,6 +15,7 @@ import yaml
 
 from ddpexp.planner.estimate import preflight
 from ddpexp.planner.profiles import load_cluster
+from ddpexp.predict import validation
 
 from .conftest import run_here
 
@@ -48,12 +49,52 @@ def test_a_plan_ranks_every_strategy_and_mesh_by_cost_with_time_and_cost_to_the_
     assert fsdp["bytes_per_step_intra_node"] > ddp["bytes_per_step_intra_node"]  # gathered twice
 
 
+def test_time_and_cost_carry_the_range_the_held_out_validation_measured(tmp_path: Path):
+    record = {
+        "machine": "a test host",
+        "date": "2026-11-27",
+        "command": "python scripts/predict_vs_measured.py --record record.json",
+        "cases": [
+            {"strategy": "ddp", "world": 2, "round": 0, "predicted_s": 0.010, "measured_s": 0.008},
+            {"strategy": "fsdp", "world": 2, "round": 0, "predicted_s": 0.020, "measured_s": 0.030},
+        ],
+    }
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    args = ["--cluster", "8xh100_sxm", "--tokens", "1e9", "--validation", str(tmp_path / "record.json")]
+    result = plan(tmp_path, *args, "--format", "json")
+    assert result.returncode == 0, result
+    out = json.loads(result.stdout)
+    assert out["ranges_from"].startswith("measured / predicted step time 0.80-1.50 over 2 held-out runs")
+    for p in (p for p in out["plans"] if p["fits"]):
+        assert p["time_s_range"] == pytest.approx([0.8 * p["time_s"], 1.5 * p["time_s"]])
+        assert p["cost_usd_range"] == pytest.approx([0.8 * p["cost_usd"], 1.5 * p["cost_usd"]])
+    table = plan(tmp_path, *args).stdout.splitlines()
+    assert table[1] == (
+        "Time and cost ranges: measured / predicted step time 0.80-1.50 over 2 held-out runs "
+        "(a test host, 2026-11-27)."
+    )
+    (ddp,) = [line for line in table if line.startswith("ddp ")]
+    ddp_json = next(p for p in out["plans"] if p["plan"] == "ddp")
+    low, high = (v / 60 for v in ddp_json["time_s_range"])
+    assert f"min ({low:.1f}-{high:.1f})" in ddp  # the time column, with its range
+
+
+def test_the_shipped_validation_is_the_one_the_docs_report():
+    """ddpexp/predict/validation.json is the run docs/cost_model.md's held-out table came from."""
+    record = validation.load()
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "cost_model.md").read_text()
+    said = f"median error {record.median_error:.0%}, worst {record.worst_error:.0%}"
+    assert said in docs and len(record.cases) >= 18
+    assert f"Over the {len(record.cases)} predictions" in docs
+
+
 def test_the_table_names_the_recommendation_and_the_runner_up(tmp_path: Path):
     result = plan(tmp_path, "--cluster", "8xh100_sxm", "--tokens", "1e9", "--by", "time")
     assert result.returncode == 0, result
     lines = result.stdout.splitlines()
     assert lines[0].startswith("8 x H100 SXM 80GB (1 node(s), nvlink4,ib400), $2.49 per device-hour")
-    assert lines[1].split()[:3] == ["plan", "fits", "GiB/rank"]
+    assert lines[1].startswith("Time and cost ranges: measured / predicted step time ")
+    assert lines[2].split()[:3] == ["plan", "fits", "GiB/rank"]
     assert any(line.startswith("Recommended: ") and "the fastest of the" in line for line in lines)
     assert any(line.startswith("Runner-up: ") for line in lines)
 
@@ -100,8 +141,19 @@ def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tm
             "data: the planner counts tokens",
         ),
         (["--cluster", "8xh100_sxm", "--nodes", "2", "--cluster", "NOINTER"], "nointer.yaml: inter: "),
+        (["--cluster", "8xh100_sxm", "--validation", "NOWHERE.json"], "NOWHERE.json does not exist"),
+        (["--cluster", "8xh100_sxm", "--validation", "DAMAGED"], "damaged.json is not a validation record"),
     ],
-    ids=["unknown", "zero price", "negative price", "missing field", "not tokens", "no inter-node link"],
+    ids=[
+        "unknown",
+        "zero price",
+        "negative price",
+        "missing field",
+        "not tokens",
+        "no inter-node link",
+        "no validation record",
+        "damaged validation record",
+    ],
 )
 def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], said: str):
     profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "8xh100_sxm.yaml").read_text()
@@ -109,6 +161,8 @@ def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], sai
     (tmp_path / "nointer.yaml").write_text(profile.replace("inter: ib400\n", ""))
     args = [a.replace("MISSING", str(tmp_path / "missing.yaml")) for a in args]
     args = [a.replace("NOINTER", str(tmp_path / "nointer.yaml")) for a in args]
+    (tmp_path / "damaged.json").write_text('{"machine": "x", "cases": [')
+    args = [a.replace("DAMAGED", str(tmp_path / "damaged.json")) for a in args]
     result = plan(tmp_path, *args)
     assert result.returncode == 2, result
     (line,) = result.stderr.strip().splitlines()
@@ -225,3 +279,9 @@ def test_plot_draws_predicted_time_against_cost(tmp_path: Path):
     assert picture.axes(r, cluster, SimpleNamespace(target_tokens=1e9)) == (2.0, 50.0)
     per_million = 8 * 2.49 / 3600 / 1000.0 * 1e6  # the cluster's dollars a second over tokens a second
     assert picture.axes(r, cluster, SimpleNamespace(target_tokens=0)) == pytest.approx((2.0, per_million))
+    # the band through a plan: the validation's smallest and largest measured / predicted
+    cases = (validation.Case("ddp", 2, 0, 1.0, 0.8), validation.Case("ddp", 3, 0, 1.0, 1.5))
+    spread = validation.Validation("a host", "a date", "a command", cases)
+    target = SimpleNamespace(target_tokens=1e9)
+    (low, high) = picture.span(r, cluster, target, spread)
+    assert low == pytest.approx((1.6, 40.0)) and high == pytest.approx((3.0, 75.0))

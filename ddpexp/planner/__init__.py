@@ -16,6 +16,9 @@ parallelism, pipeline stages and FSDP, HSDP over nodes, pipeline with replicas):
               the communication Strategy.communication declares, on the profile's links
               (conf/interconnect), less what hides behind compute (ddpexp.predict's rule)
   cost        steps to the target (--tokens or --epochs) x step time x devices x price per device-hour
+  ranges      time and cost from the smallest to the largest measured / predicted step time of the
+              step-time model's held-out validation (ddpexp.predict.validation: ddpexp's record, or
+              --validation FILE)
 
 A candidate is first checked as pre-flight would check its command under torchrun on the cluster;
 `--emit` writes the file that runs the recommended one (emit.py); on a profile of this machine

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..predict import validation
 from . import emit, picture, verify
 from .estimate import Estimate, candidates, estimate, job_of, launch_args
 from .profiles import GIB, Cluster, cluster_names, load_cluster
@@ -35,6 +36,12 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--epochs", type=float, help="train this many epochs of the dataset")
     p.add_argument("--by", choices=("cost", "time"), default="cost", help="sort by cost or by time")
     p.add_argument("--format", choices=("table", "md", "csv", "json"), default="table")
+    p.add_argument(
+        "--validation",
+        type=Path,
+        help="the held-out validation record the time and cost ranges come from (default: ddpexp's, from "
+        "its development VM; scripts/predict_vs_measured.py --record FILE writes yours)",
+    )
     p.add_argument(
         "--emit",
         choices=("torchrun", "slurm", "skypilot"),
@@ -72,13 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     setting="--verify-epochs",
                     fix="give 1 round or more and 2 epochs or more (a run's first epoch is left out)",
                 )
+        spread = validation.load(args.validation)
         results, job = plan(args, overrides, cluster)
     except UserError as exc:
         print(f"ddpexp plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(render(results, cluster, args, job), end="")
+    print(render(results, cluster, args, job, spread), end="")
     if args.plot:
-        print(f"wrote {picture.write(args.plot, results, cluster, job)}: predicted time against cost")
+        print(f"wrote {picture.write(args.plot, results, cluster, job, spread)}: predicted time against cost")
     if args.verify is not None:
         out = args.verify_dir or verify.default_out()
         ran = verify.verify(
@@ -126,14 +134,21 @@ def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tu
     return results, job
 
 
-def _duration(seconds: float) -> str:
+def _duration(seconds: float, spread: validation.Validation) -> str:
+    """`seconds` in the unit that reads best, with the range the validation puts around it."""
     if not math.isfinite(seconds):
         return "-"
-    if seconds >= 86400:
-        return f"{seconds / 86400:.1f} d"
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min"
+    unit, size = ("d", 86400) if seconds >= 86400 else ("h", 3600) if seconds >= 3600 else ("min", 60)
+    low, high = spread.around(seconds)
+    return f"{seconds / size:.1f} {unit} ({low / size:.1f}-{high / size:.1f})"
+
+
+def _money(usd: float, spread: validation.Validation) -> str:
+    if not math.isfinite(usd):
+        return "-"
+    digits = 2 if usd < 100 else 0
+    low, high = spread.around(usd)
+    return f"{usd:,.{digits}f} ({low:,.{digits}f}-{high:,.{digits}f})"
 
 
 HEAD = [
@@ -150,7 +165,7 @@ HEAD = [
 ]
 
 
-def _row(r: Estimate) -> list[str]:
+def _row(r: Estimate, spread: validation.Validation) -> list[str]:
     if r.note is not None:
         return [r.candidate.label, "-", "-", "-", "-", "-", "-", "-", "-", r.note]
     fits = "yes" if r.fits else f"no: {r.largest}"
@@ -163,12 +178,12 @@ def _row(r: Estimate) -> list[str]:
         f"{r.mfu:.1%}",
         f"{r.bytes_intra / 1e9:,.2f}",
         f"{r.bytes_inter / 1e9:,.2f}",
-        _duration(r.time_s),
-        "-" if not math.isfinite(r.cost) else f"{r.cost:,.2f}" if r.cost < 100 else f"{r.cost:,.0f}",
+        _duration(r.time_s, spread),
+        _money(r.cost, spread),
     ]
 
 
-def _record(r: Estimate) -> dict[str, Any]:
+def _record(r: Estimate, spread: validation.Validation) -> dict[str, Any]:
     fields = {
         "plan": r.candidate.label,
         "overrides": r.candidate.overrides,
@@ -187,13 +202,27 @@ def _record(r: Estimate) -> dict[str, Any]:
         "time_s": r.time_s,
         "cost_usd": r.cost,
     }
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+    out: dict[str, Any] = {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()
+    }
+    if out["time_s"] is not None:
+        out["time_s_range"] = list(spread.around(r.time_s))
+        out["cost_usd_range"] = list(spread.around(r.cost))
+    return out
 
 
-def render(results: list[Estimate], cluster: Cluster, args: argparse.Namespace, job: Any) -> str:
+def render(
+    results: list[Estimate],
+    cluster: Cluster,
+    args: argparse.Namespace,
+    job: Any,
+    spread: validation.Validation,
+) -> str:
     if args.format == "json":
-        return json.dumps({"cluster": cluster.name, "plans": [_record(r) for r in results]}, indent=2) + "\n"
-    rows = [_row(r) for r in results]
+        plans = [_record(r, spread) for r in results]
+        ranges = {"ranges_from": spread.describe()}
+        return json.dumps({"cluster": cluster.name, **ranges, "plans": plans}, indent=2) + "\n"
+    rows = [_row(r, spread) for r in results]
     if args.format == "csv":
         out = io.StringIO()
         writer = csv.writer(out)
@@ -223,6 +252,8 @@ def render(results: list[Estimate], cluster: Cluster, args: argparse.Namespace, 
         f"${cluster.price_per_device_hour:g} per device-hour, {cluster.achieved_mfu:.0%} of peak assumed; "
         f"global batch {job.global_batch} x {job.seq_len} tokens; to {target}"
     )
+    if job.target_tokens:
+        head += f"\nTime and cost ranges: {spread.describe()}."
     return f"{head}\n{table}\n\n{advice(results, args.by if job.target_tokens else 'time')}\n"
 
 

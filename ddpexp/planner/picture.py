@@ -1,5 +1,7 @@
 """`ddpexp plan --plot FILE`: every plan that runs as a point of predicted time against cost, the ones
-that do not fit greyed out, so the cheap, the fast and the trade between them show at a glance."""
+that do not fit greyed out, so the cheap, the fast and the trade between them show at a glance; each
+plan that fits with the range the held-out validation puts around it (time and cost move together on
+one cluster, so a range is a segment through the point)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fsutil import atomic_write_bytes
+from ..predict.validation import Validation
 from .estimate import Estimate
 from .profiles import Cluster
 
@@ -22,7 +25,14 @@ def axes(r: Estimate, cluster: Cluster, job: Any) -> tuple[float, float]:
     return r.step_s, dollars_per_second / r.tokens_per_s * 1e6
 
 
-def write(path: Path, results: list[Estimate], cluster: Cluster, job: Any) -> Path:
+def span(r: Estimate, cluster: Cluster, job: Any, spread: Validation) -> list[tuple[float, float]]:
+    """The two ends of a plan's range: its point with the step time at the validation's smallest and
+    largest measured / predicted (both axes scale with the step time, with a target or without)."""
+    x, y = axes(r, cluster, job)
+    return [(x * k, y * k) for k in (spread.low, spread.high)]
+
+
+def write(path: Path, results: list[Estimate], cluster: Cluster, job: Any, spread: Validation) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -42,6 +52,9 @@ def write(path: Path, results: list[Estimate], cluster: Cluster, job: Any) -> Pa
             color="tab:blue" if fits else "0.75",
             zorder=3 if fits else 2,
         )
+        for r in mine if fits else []:
+            (x0, y0), (x1, y1) = span(r, cluster, job, spread)
+            ax.plot([x0, x1], [y0, y1], color="tab:blue", alpha=0.35, linewidth=3, zorder=1)
         for r, (x, y) in zip(mine, points, strict=True):
             ax.annotate(
                 r.candidate.label,
@@ -59,8 +72,8 @@ def write(path: Path, results: list[Estimate], cluster: Cluster, job: Any) -> Pa
         ax.set_ylabel("cost per million tokens (USD)")
     ax.set_title(
         f"{cluster.devices} x {cluster.device}, ${cluster.price_per_device_hour:g} per device-hour "
-        f"(predicted)",
-        fontsize=10,
+        f"(predicted; bands: {spread.low:.2f}-{spread.high:.2f} x, the held-out validation's range)",
+        fontsize=9,
     )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

@@ -28,6 +28,9 @@ The package, one concern a module:
   model.py          the predictor: the target strategy, the host's cores, hidden communication,
                     `Predictor`, `predict_curve`, `predicted_bytes`
   render.py         the table and the assumptions a prediction prints
+  memory.py         memory per rank by category, from the config alone on fake tensors (`predict`)
+  validation.py     the record of the model's held-out validation (scripts/predict_vs_measured.py
+                    --record), whose spread `ddpexp plan` puts around its times and costs
   cli.py            the command line (`main`)
 """
 
