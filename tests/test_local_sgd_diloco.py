@@ -252,8 +252,8 @@ def test_the_low_communication_preset_runs_each_strategy_on_one_model_batch_and_
         check_job(cfg, host, multirun=True)
         strategy = strategies.resolve(cfg.strategy)
         seen[next(o for o in job if o.startswith("strategy="))] = strategy.changed_settings()
-        assert (cfg.model.n_layer, cfg.data.block_size, cfg.optim.name) == (2, 64, "adamw")
-        assert (cfg.trainer.batch_size, cfg.trainer.max_steps) == (32, 400)
+        assert (cfg.model.n_layer, cfg.data.block_size, cfg.optim.name) == (4, 128, "adamw")  # gpt_small
+        assert (cfg.trainer.batch_size, cfg.trainer.max_steps) == (32, 200)
         assert cfg.trainer.max_steps % getattr(strategy.settings, "sync_every", 1) == 0
     assert seen == {
         "strategy=ddp": {},
@@ -267,7 +267,7 @@ def test_the_low_communication_preset_runs_each_strategy_on_one_model_batch_and_
     cfg = comp(more)
     check_job(cfg, host, multirun=True)
     assert strategies.resolve(cfg.strategy).changed_settings() == {"sync_every": 50}
-    assert (cfg.trainer.batch_size, cfg.trainer.max_steps, cfg.model.n_layer) == (32, 400, 2)
+    assert (cfg.trainer.batch_size, cfg.trainer.max_steps, cfg.model.n_layer) == (32, 200, 4)
 
 
 @pytest.mark.multiproc
