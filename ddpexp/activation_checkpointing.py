@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -114,6 +115,17 @@ def _checkpointed(cls: type[nn.Module]) -> type[nn.Module]:
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
+def hook_options(checkpoint_fn: Any) -> dict[str, Any]:
+    """The meter sees what selective keeps only where checkpoint honours saved-tensor hooks around it;
+    a torch without that switch (2.11 has none) would hand the keyword on to the block's forward."""
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint_fn).parameters:
+        return {"respect_saved_tensors_hooks": True}
+    return {}
+
+
+_RESPECT_HOOKS = hook_options(checkpoint)
+
+
 @dataclass(frozen=True)
 class _Settings:
     selective: bool
@@ -140,7 +152,7 @@ def _forward_of(cls: type[nn.Module]) -> Any:
             context_fn=functools.partial(_contexts, self, selective, meter),
             # Recompute the whole block while measuring, so the tensors it made are done with at its end.
             early_stop=not measuring,
-            respect_saved_tensors_hooks=True,  # the meter sees what selective keeps
+            **_RESPECT_HOOKS,
             **kwargs,
         )
 

@@ -143,6 +143,30 @@ def test_measuring_changes_nothing():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_selective_checkpointing_runs_on_a_torch_without_the_saved_tensor_hooks_switch(monkeypatch):
+    """torch 2.11's checkpoint has no respect_saved_tensors_hooks and passes unknown keywords on to
+    the block's forward: the same gradients there too (seen on the lent H100's torch 2.11)."""
+    real = ac.checkpoint
+
+    def checkpoint_2_11(function, *args, use_reentrant=None, context_fn=None, early_stop=True, **kwargs):  # type: ignore[no-untyped-def]
+        def forward(*inputs):  # type: ignore[no-untyped-def]
+            return function(*inputs, **kwargs)  # what it does not know goes to the function
+
+        return real(forward, *args, use_reentrant=use_reentrant, context_fn=context_fn, early_stop=early_stop)
+
+    monkeypatch.setattr(ac, "checkpoint", checkpoint_2_11)
+    monkeypatch.setattr(ac, "_RESPECT_HOOKS", ac.hook_options(checkpoint_2_11))
+    torch.manual_seed(0)
+    a = convnet(num_classes=10, input_shape=[1, 28, 28])
+    b = copy.deepcopy(a)
+    ac.apply(b, ActivationCheckpointing.selective, meter=(meter := ActivationMeter()))
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    nn.functional.cross_entropy(a(x), y).backward()
+    one_step(b, x, y, meter)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_model_without_blocks_is_refused_before_anything_starts(tmp_path: Path):
     result = run_here(
         tmp_path,
