@@ -127,8 +127,10 @@ class Engine:
         started_at: float | None = None,
         heartbeat: Heartbeat | None = None,
         activations: memory.ActivationMeter | None = None,
+        peak: memory.Peak | None = None,
     ) -> None:
         self.model = model
+        self.peak = peak or memory.Peak(device)
         self.optimizer = optimizer
         self.train_loader = train_loader
         self.eval_loader = eval_loader
@@ -387,15 +389,8 @@ class Engine:
         return out
 
     def _peak_mb(self) -> float:
-        """Peak memory of this rank's device (CUDA: max allocated; CPU: the process's max RSS), max over
-        ranks."""
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-        else:
-            import resource
-
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        return distributed.all_reduce_max(peak)
+        """Peak memory of this rank's device since the run began (memory.Peak), max over ranks."""
+        return distributed.all_reduce_max(self.peak.mb())
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs of the loop itself, besides the model and optimizer: where training

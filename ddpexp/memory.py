@@ -29,6 +29,39 @@ from torch.utils._pytree import tree_flatten
 MB = 2**20
 
 
+class Peak:
+    """This process's peak memory on `device` from the moment it is made: CUDA's max allocated, or on a
+    CPU the resident set's high-water mark. Both are counters of the process, so a second run in the
+    same process (ddpexp.run in a loop, a notebook) would report the first's peak: they start over here
+    (on Linux the high-water mark resets through /proc/self/clear_refs; where it cannot, the process's
+    max RSS is what is left)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / MB
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024  # kB
+        except OSError:
+            pass
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def _local(t: Any) -> Any:
     """A DTensor's local shard, or the tensor itself (read directly: to_local() would add an autograd
     node, and this runs inside autograd's saved-tensor hooks)."""

@@ -21,7 +21,8 @@ metrics.json keys (TensorBoard shows them as board_scalars says: below), x axis 
   perf/epoch_time_s   wall-clock seconds of the epoch's training (eval excluded)
   opt/lr              learning rate of the first parameter group
   perf/samples_per_s_per_device, perf/step_time_s, perf/data_wait_frac (host time waiting for batches)
-  mem/peak_mb         peak memory: CUDA max allocated, or the process's max RSS on CPU (max over ranks)
+  mem/peak_mb         peak memory since the run began: CUDA max allocated, or on a CPU the resident
+                      set's high-water mark (max over ranks; ddpexp.memory.Peak)
   mem/params_mb, mem/grads_mb, mem/optim_state_mb   bytes resident per rank by category, counted from
                       the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
   mem/activations_mb  the peak of the tensors held for the backward in one micro-batch, per rank

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 def run(job: Job, ctx: RunContext) -> dict[str, float]:
     cfg, trainer = job.cfg, job.cfg.trainer
+    peak_memory = memory.Peak(ctx.device)  # this run's own, from here: not an earlier run's in this process
     settings = LoopSettings.from_config(cfg, job.plan)
     strategy = strategies.resolve(cfg.strategy)  # bound to its settings, once for this process
     configure_determinism(trainer.deterministic)
@@ -98,6 +99,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
             started_at=ctx.job_started_at,
             heartbeat=ctx.heartbeat,
             activations=activations,
+            peak=peak_memory,
         )
         fault = faults.for_process(ctx.fault, rank=ctx.rank, attempt=ctx.attempt, job_pid=ctx.job_pid)
         engine.on_step = fault.after_step if fault else None

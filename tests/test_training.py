@@ -559,3 +559,21 @@ def test_a_record_left_by_a_second_interrupt_in_the_exit_says_interrupted():
     guard.__enter__()
     guard.gen.close()  # what the garbage collector does to a context manager whose exit was cut short
     assert closed == [("interrupted", None)]
+
+
+def test_each_run_in_one_process_reports_its_own_peak_memory(tmp_path: Path, monkeypatch):
+    """ddpexp.run in a loop or a notebook: a small run after something large in the same process
+    reports its own mem/peak_mb, not the process's high-water mark from before it began."""
+    import ddpexp
+
+    monkeypatch.chdir(tmp_path)
+    large = torch.ones(400_000_000)  # 1.6 GB, written, so resident
+    before_mb = large.numel() * 4 / 2**20
+    del large
+    result = ddpexp.run([*QUICK, "trainer.max_steps=2", "hydra.run.dir=small"])
+    assert result.status == "completed", result
+    assert metrics(tmp_path / "small")["facts"]["world_size"] == 1
+    peak = metrics(tmp_path / "small")["final"]["mem/peak_mb"]
+    status = Path("/proc/self/status").read_text().splitlines()
+    now_mb = int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
+    assert peak < now_mb + before_mb / 2, (peak, now_mb)
