@@ -151,10 +151,11 @@ def main() -> int:
         f"{statistics.median(singles) * 1e3:.2f} ms/step{spread(singles, 1e3)} (epochs after the first)\n"
     )
     print(render(rounds, args.batch))
-    print(summary(rounds, worlds))
+    machine = args.machine or f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}"
+    held = record(rounds, machine)
+    print(summary(held, rounds, worlds))
     if args.record:
-        machine = args.machine or f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}"
-        print(f"\nwrote {save(record(rounds, machine), args.record)}")
+        print(f"\nwrote {save(held, args.record)}")
     print(
         "\nerr = (predicted - measured) / measured, of the medians over rounds; in brackets, with several "
         "rounds, the smallest and largest error of one round (each prediction against its own round's "
@@ -184,11 +185,10 @@ def record(rounds: list[dict[tuple[str, int], Row]], machine: str) -> Validation
     return Validation(machine, time.strftime("%Y-%m-%d"), command, cases)
 
 
-def summary(rounds: list[dict[tuple[str, int], Row]], worlds: list[int]) -> str:
-    """Over every (strategy, W) and round: the errors' median and worst, Spearman's rank correlation of
-    predicted and measured throughput, and at each W of each round whether the strategy predicted
-    fastest was the one measured fastest."""
-    errors = [abs(r.step_pred - r.step_meas) / r.step_meas for rows in rounds for r in rows.values()]
+def summary(held: Validation, rounds: list[dict[tuple[str, int], Row]], worlds: list[int]) -> str:
+    """Over every (strategy, W) and round: the errors' median and worst (the record's, as the planner
+    and the docs read them), Spearman's rank correlation of predicted and measured throughput, and at
+    each W of each round whether the strategy predicted fastest was the one measured fastest."""
     pred = [1 / r.step_pred for rows in rounds for r in rows.values()]
     meas = [1 / r.step_meas for rows in rounds for r in rows.values()]
     right = scenarios = 0
@@ -201,8 +201,8 @@ def summary(rounds: list[dict[tuple[str, int], Row]], worlds: list[int]) -> str:
                 right += chosen == min(here, key=lambda k: here[k].step_meas)
     choice = f"; first choice right in {right} of {scenarios} (W, round)" if scenarios else ""
     return (
-        f"\n{len(errors)} predictions: |error| median {statistics.median(errors):.0%}, worst "
-        f"{max(errors):.0%}; rank correlation of samples/s {spearman(pred, meas):+.2f}{choice}"
+        f"\n{len(held.cases)} predictions: |error| median {held.median_error:.0%}, worst "
+        f"{held.worst_error:.0%}; rank correlation of samples/s {spearman(pred, meas):+.2f}{choice}"
     )
 
 
