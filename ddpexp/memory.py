@@ -17,6 +17,7 @@ in these numbers; mem/peak_mb (CUDA max allocated, or RSS on CPU) covers it.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -235,6 +236,63 @@ class _StoragesMade(TorchDispatchMode):
     def alive(self) -> list[tuple[tuple[str, int], torch.UntypedStorage]]:
         found = ((key, ref()) for key, ref in self._made.items())
         return [(key, s) for key, s in found if s is not None and s.nbytes() > 0]
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak, while it is entered, of the bytes of the storages the ops inside made (their results,
+    not views or in-place results of their inputs) that are alive at once, the gradients of `model`'s
+    parameters left out (a category of their own; which results become one is known only when it is
+    accumulated, so the peak is summed from the events once it exits): `peak`. Works on fake tensors,
+    where nothing else counts bytes."""
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.peak = 0
+        self._events: list[int] = []  # bytes made (+) and freed (-), in order
+        self._counted: dict[tuple[str, int], list[Any]] = {}  # storage -> [weak ref, bytes, event]
+        self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> LiveBytes:
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad) for p in self._params]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        super().__exit__(*exc)
+        self.peak = max(itertools.accumulate(self._events), default=0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            key = _key(t)
+            if key is None or key in given:
+                continue
+            known = self._counted.get(key)
+            if known is not None and known[0]() is not None:
+                continue
+            storage = _local(t).untyped_storage()
+            nbytes = storage.nbytes()
+            self._counted[key] = [weakref.ref(storage), nbytes, len(self._events)]
+            self._events.append(nbytes)
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+    def _free(self, key: tuple[str, int], nbytes: int) -> None:
+        entry = self._counted.get(key)
+        if entry is not None and entry[0]() is None:
+            del self._counted[key]
+            if entry[1]:
+                self._events.append(-nbytes)
+
+    def _grad(self, param: torch.Tensor) -> None:
+        key = _key(param.grad) if param.grad is not None else None
+        entry = self._counted.get(key) if key is not None else None
+        if entry is not None and entry[1]:
+            self._events[entry[2]] = 0  # as if never made here
+            entry[1] = 0
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

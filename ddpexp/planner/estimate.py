@@ -193,6 +193,7 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         "gradients": worst.grads,
         "optimizer state": worst.optim_state,
         "activations": worst.activations,
+        "the backward's temporaries": worst.transient,
         "copies": worst.copies,
     }
     import torch

@@ -15,6 +15,11 @@ strategy says what each rank holds and computes (`Strategy.held`), and from that
                   splits it, DTensors in a fake process group.
   copies          further copies of the parameters the strategy keeps (local SGD's, DiLoCo's), not
                   measured by a run
+  transient       what the same fake forward and backward holds beyond its saved activations at its
+                  peak, early in the backward: outputs still referenced (a transformer's logits) and
+                  the backward's temporaries (the gradients of those logits), counted by
+                  ddpexp.memory.LiveBytes. Not a category a run measures; it is in `peak`, which CUDA's max
+                  allocated (mem/peak_mb on a GPU) measures
 
 Why fake tensors for activations rather than a formula per layer type: the shipped models mix
 convolutions, pooling, BatchNorm, attention and tied embeddings, activation checkpointing changes what
@@ -27,8 +32,9 @@ tensors costs milliseconds and knows all of them.
     python -m ddpexp.predict.memory strategy=fsdp dist.nprocs=4 model=gpt_small data=python_stdlib task=lm
 
 prints the prediction for the job those overrides make (pre-flight's plan: its world size and global
-batch), one line per rank. What it leaves out: buffers that live only inside a step (the unit FSDP
-gathers, communication buckets, temporaries), the allocator's caching, and the framework's own memory.
+batch), one line per rank. What it leaves out: buffers that live only inside a step outside the
+model's own forward and backward (the unit FSDP gathers, communication buckets, the optimizer step's),
+the allocator's caching, and the framework's own memory.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory import ActivationMeter
+from ..memory import ActivationMeter, LiveBytes
 from ..strategies.comm import Held
 
 MB = 2**20
@@ -105,11 +111,13 @@ class RankMemory:
     activations: float
     copies: float
     in_step: float  # the parameters alive at the step's peak (more than `params` where FSDP keeps them)
+    transient: float = 0.0
 
     @property
     def peak(self) -> float:
-        """Everything at once at the step's peak: the states, the activations and the copies."""
-        return self.in_step + self.grads + self.optim_state + self.activations + self.copies
+        """Everything at once at the step's peak: the states, the activations, the backward's
+        temporaries and the copies."""
+        return self.in_step + self.grads + self.optim_state + self.activations + self.transient + self.copies
 
     def mb(self) -> dict[str, float]:
         """In the units and names of a run's memory_per_rank."""
@@ -161,7 +169,7 @@ def predict(cfg: Any, *, world: int, global_batch: int, strategy: Any = None) ->
         input_dtype=torch.long if info.vocab_size is not None else torch.float32,
     )
     held = strategy.held(job=job)
-    runs: dict[tuple[Any, ...], float] = {}
+    runs: dict[tuple[Any, ...], tuple[float, float]] = {}
     out = []
     # Split copies run as rank 0 of a fake group: a rank's place on the mesh changes only which chunk of
     # an uneven split it holds.
@@ -183,9 +191,10 @@ def predict(cfg: Any, *, world: int, global_batch: int, strategy: Any = None) ->
                 float(h.params),
                 float(h.grads),
                 float(h.optimized * states),
-                runs[key] * h.in_flight,
+                runs[key][0] * h.in_flight,
                 float(h.copies),
                 float(h.params if h.in_step is None else h.in_step),
+                runs[key][1],
             )
         )
     return out
@@ -232,15 +241,18 @@ def _activations(
     contexts: tuple[Any, Callable[[], Any]],
     meter: ActivationMeter,
     held: Held,
-) -> float:
+) -> tuple[float, float]:
     """Peak bytes held for the backward in one micro-batch's forward and backward of `chain` (parts of
     `model`, run in turn, the last one the rank's own; None: the whole model), on fake tensors
-    (`meter`'s count); `contexts`: the fake tensor mode, and the run's autocast."""
+    (`meter`'s count), and what that forward and backward holds beyond them at its own peak
+    (LiveBytes: activations and temporaries, not the model's tensors nor the gradients of its
+    parameters, which are their own categories); `contexts`: the fake tensor mode, and the run's
+    autocast."""
     mode, autocast = contexts
     parts = (model,) if chain is None else chain
     batch = round(held.samples)
     if not parts or batch < 1:
-        return 0.0
+        return 0.0, 0.0
     with mode:
         if info.vocab_size is not None:
             x = torch.zeros((batch, *info.input_shape), dtype=torch.long)
@@ -252,14 +264,15 @@ def _activations(
         if len(parts) > 1:
             x = x.detach().requires_grad_(x.is_floating_point())
         own = parts[-1]
-        with meter.measure(own):
+        with meter.measure(own), LiveBytes(own) as live:
             with autocast():
                 out = own(x)
             if held.loss:
                 task.loss(out, _targets(info, out, batch)).backward()
             else:
                 out.backward(torch.ones_like(out))
-    return float(meter.peak_bytes or 0)
+    saved = float(meter.peak_bytes or 0)
+    return saved, max(0.0, live.peak - saved)
 
 
 def _targets(info: Any, out: torch.Tensor, batch: int) -> torch.Tensor:
@@ -288,22 +301,13 @@ def predict_run(run: Any) -> list[RankMemory]:
 
 
 def table(ranks: list[RankMemory]) -> str:
-    """One line per rank, MB per category and their sum."""
-    head = ["rank", "params", "grads", "optimizer", "activations", "copies", "total MB"]
+    """One line per rank, MB per category and the peak (the parameters as they are at the step's peak,
+    everything else, and the backward's temporaries)."""
+    head = ["rank", "params", "grads", "optimizer", "activations", "temporaries", "copies", "peak MB"]
     lines = []
     for r in ranks:
-        acts = "-" if r.activations is None else f"{r.activations / MB:,.3f}"
-        total = r.params + r.grads + r.optim_state + (r.activations or 0) + r.copies
-        cells = [r.params, r.grads, r.optim_state]
-        lines.append(
-            [
-                str(r.rank),
-                *(f"{c / MB:,.3f}" for c in cells),
-                acts,
-                f"{r.copies / MB:,.3f}",
-                f"{total / MB:,.3f}",
-            ]
-        )
+        cells = [r.params, r.grads, r.optim_state, r.activations, r.transient, r.copies, r.peak]
+        lines.append([str(r.rank), *(f"{c / MB:,.3f}" for c in cells)])
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     return "\n".join(
         "  ".join(x.rjust(w) for x, w in zip(line, widths, strict=True)) for line in [head, *lines]
