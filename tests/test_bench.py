@@ -173,6 +173,24 @@ def test_activation_checkpointing_benchmark_prints_memory_and_time_against_none(
     assert float(rows["full"][5]) > 0  # a time ratio, whatever it is on a busy machine
 
 
+def test_the_gpu_check_runs_its_path_on_a_cpu_and_keeps_every_number(tmp_path: Path):
+    """scripts/on_gpu.py (docs/memory_model.md's GPU table) on a CPU: each case's run, its prediction
+    and the table; the categories a run measures are what the prediction says."""
+    out = tmp_path / "gpu.json"
+    lines = script_output(
+        "on_gpu.py", "--device", "cpu", "--only", "gpt_small fp32", "--steps", "1",
+        "--out", str(tmp_path / "runs"), "--json", str(out),
+    )  # fmt: skip
+    assert lines[-2].split()[:3] == ["case", "step", "ms"], lines
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["case"] == "gpt_small fp32 b16x128" and row["tokens_per_s"] > 0, row
+    for key in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb", "mem/activations_mb"):
+        assert row[key]["predicted"] == pytest.approx(row[key]["measured"], rel=1e-3), key
+    assert (
+        row["peak_mb"]["predicted"] > row["mem/activations_mb"]["predicted"] + row["predicted_transient_mb"]
+    )
+
+
 def test_busy_host_smoke_prints_every_contender_idle_and_busy():
     lines = script_output("busy_host.py", "--smoke")
     assert lines[1].split() == ["contender", "idle", "busy", "busy/idle"]
