@@ -376,11 +376,10 @@ class Engine:
             **(self._resident or {}),
         }
         if comm is not None:
-            out |= {
-                "comm/time_per_step_s": comm_s / max(steps, 1),
-                "comm/share": comm_s / elapsed if elapsed > 0 else 0.0,
-                "comm/bytes_per_step": sum(kind_bytes) / max(steps, 1),
-            }
+            out["comm/bytes_per_step"] = sum(kind_bytes) / max(steps, 1)
+            if comm_s > 0 or not sum(kind_bytes):  # bytes and no time: untimed (a pipeline's sends)
+                out["comm/time_per_step_s"] = comm_s / max(steps, 1)
+                out["comm/share"] = comm_s / elapsed if elapsed > 0 else 0.0
             # by kind (comm/bytes_per_step/sync_bn...), each only for strategies that send it
             by_kind = zip(KINDS, kind_bytes, strict=True)
             out |= {f"comm/bytes_per_step/{k}": b / max(steps, 1) for k, b in by_kind if b}

@@ -30,7 +30,8 @@ metrics.json keys (TensorBoard shows them as board_scalars says: below), x axis 
   comm/time_per_step_s, comm/share, comm/bytes_per_step   communication (strategies with any);
                       TensorBoard: perf/comm_time_per_step_s, perf/comm_share
   comm/bytes_per_step/<kind>   gradients, parameters (all-gathers, pulls, ZeRO's broadcasts), sync_bn
-                      (statistics), buffers (DDP's broadcast of BatchNorm statistics before each forward)
+                      (statistics), buffers (DDP's broadcast of BatchNorm statistics before each forward),
+                      tensor_parallel, activations (what pipeline stages send each other)
   constant over a run (BOARD_CONSTANT): no TensorBoard chart; the run/constants text at the end
   summary/*           TensorBoard only: the HParams view's metrics written once (ddpexp/hparams.py)
 

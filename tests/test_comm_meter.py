@@ -27,7 +27,14 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
     meter.record(99.0, 100.0, 1)  # after a step's end (e.g. a mid-epoch eval): counted, not timed
     busy, nbytes = meter.take()
     assert busy == pytest.approx(2 * 1.5 * 6 / 2)  # two timed steps of 1.5 s busy, scaled to six
-    assert nbytes == {"gradients": 601, "parameters": 0, "sync_bn": 48, "buffers": 0, "tensor_parallel": 0}
+    assert nbytes == {
+        "gradients": 601,
+        "parameters": 0,
+        "sync_bn": 48,
+        "buffers": 0,
+        "tensor_parallel": 0,
+        "activations": 0,
+    }
     assert meter.take() == (0.0, dict.fromkeys(nbytes, 0))
 
 
@@ -35,7 +42,7 @@ def test_a_meter_no_engine_steps_times_everything():
     meter = CommMeter()
     meter.record(0.0, 2.0, 4)
     meter.record(1.0, 3.0, 4)
-    zero = {"parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0}
+    zero = {"parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0, "activations": 0}
     assert meter.take() == (3.0, {"gradients": 8, **zero})
 
 
@@ -49,7 +56,7 @@ def test_a_paused_meter_counts_and_times_nothing():
     meter.record(5.0, 6.0, 1)
     assert meter.take() == (
         1.0,
-        {"gradients": 1, "parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0},
+        {"gradients": 1, "parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0, "activations": 0},
     )
 
 

@@ -114,6 +114,9 @@ def test_pipeline_trains_like_single_at_the_same_global_batch(parity_sweep: Path
             theirs["final"]["train/epoch_loss"], rel=1e-5
         )
         assert_bubble(run, stages=2, microbatches=4)
+        # what the stages send is counted, not timed: no share of the wall time is claimed for it
+        assert ours["final"]["comm/bytes_per_step/activations"] > 0
+        assert "comm/share" not in ours["final"] and "comm/time_per_step_s" not in ours["final"]
         # each rank holds its own stage only: the first (the MLP's body) is the larger
         body = sum(v.numel() for k, v in weights(run).items() if k.startswith("body.")) * 4 / 2**20
         assert ours["final"]["mem/params_mb"] == pytest.approx(body)
@@ -151,7 +154,12 @@ def test_two_replicas_average_their_stages_and_score_every_eval_sample_once(tmp_
     assert_close_weights(tmp_path / "pipe", tmp_path / "single")
     ours = metrics(tmp_path / "pipe")["final"]
     assert ours["eval/samples"] == 65
-    assert ours["comm/bytes_per_step"] > 0  # the data-parallel all-reduce of each stage's gradients
+    assert ours["comm/bytes_per_step/gradients"] > 0  # the data-parallel all-reduce of each stage's
+    # What the stages send each other, counted as sent, is what the cost model declares, byte for byte.
+    from ddpexp.predict import predicted_bytes
+
+    assert ours["comm/bytes_per_step/activations"] > 0
+    assert predicted_bytes(tmp_path / "pipe") == pytest.approx(ours["comm/bytes_per_step"], rel=1e-9)
     scored = run_here(
         tmp_path,
         "strategy=single",

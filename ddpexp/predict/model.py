@@ -221,7 +221,7 @@ class Predictor:
         strategy = target_strategy(self.run)
         devices, nodes = int(facts.get("devices") or 1), int(facts.get("nnodes") or 1)
         job = self.workload(devices, nodes, strategy)
-        metered = [c for c in strategy.communication(job=job) if c.counted > 0]
+        metered = [c for c in strategy.communication(job=job) if c.counted > 0 and c.timed]
         try:
             weights = [t for _, t in self.fabric.at(job.procs_per_node).timed(metered, step - comm)]
         except UserError:  # a multi-node run read with an intra-node fabric: split by bytes instead

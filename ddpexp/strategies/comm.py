@@ -45,10 +45,12 @@ from ..commbench import Op
 
 # What the bytes were: gradients (DDP buckets, reduce-scatters, pushes to a server), parameters
 # (all-gathers, pulls from a server, ZeRO's broadcasts of the updated shards), synchronized BatchNorm's
-# statistics, buffers (DDP's broadcast of rank 0's BatchNorm statistics before each forward), and
+# statistics, buffers (DDP's broadcast of rank 0's BatchNorm statistics before each forward),
 # tensor_parallel (what tensor parallelism sends: layers' inputs and outputs and their gradients, and
-# the sequence-parallel norms' weight gradients).
-KINDS = ("gradients", "parameters", "sync_bn", "buffers", "tensor_parallel")
+# the sequence-parallel norms' weight gradients), and activations (a pipeline stage's outputs to the
+# next stage and their gradients back: counted, not timed, since the schedule sends them
+# asynchronously; the waits for them are in pipe/bubble_frac).
+KINDS = ("gradients", "parameters", "sync_bn", "buffers", "tensor_parallel", "activations")
 
 
 class CommMeter:
@@ -283,6 +285,7 @@ class Collective:
     overlaps: Overlap = Overlap.none
     counted: float = 0.0
     inter_node: bool = False
+    timed: bool = True  # False: the meter counts its bytes but not its time (comm/time_per_step_s)
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:

@@ -110,7 +110,8 @@ class Pipeline(Strategy[PipelineConfig]):
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         s = self.settings
         runner = StageRunner(model, layout_of(s, ctx.rank), s.microbatches, s.schedule, ctx=ctx)
-        meter = CommMeter() if measure_comm and runner.layout.dp_group is not None else None
+        meter = CommMeter() if measure_comm else None
+        runner.meter_sends(meter)
         return Wrapped(
             module=runner,
             base=model,
@@ -154,7 +155,9 @@ class Pipeline(Strategy[PipelineConfig]):
     def communication(self, *, job: Workload) -> list[Collective]:
         """Activations forward and their gradients backward across the widest stage boundary, one
         transfer per micro-batch slot of the schedule: 2(m + p - 1) on the critical path, each waited
-        for before the stage computes (no overlap credited); not metered. With replicas, each stage's
+        for before the stage computes (no overlap credited); counted as the meter counts them: each
+        stage sends m micro-batches' over each of its boundaries, 2m times the boundaries' bytes over
+        p ranks on average. With replicas, each stage's
         gradient all-reduced over its replicas after the step, all stages at once (the largest bounds
         the time), counted as the meter counts it: every rank its stage's bytes, S/p on average."""
         p, m = self.settings.stages, self.settings.microbatches
@@ -163,7 +166,7 @@ class Pipeline(Strategy[PipelineConfig]):
         micro = job.global_batch / job.accumulate / replicas / m
         sizes = boundary_bytes(parts, job, micro)
         slots = 2 * (m + p - 1) * job.accumulate
-        what = "activations and their gradients between stages, per micro-batch slot (not metered)"
+        what = "activations and their gradients between stages, per micro-batch slot"
         if not sizes:
             what += "; their size unknown: latency only"
         out = [
@@ -173,7 +176,9 @@ class Pipeline(Strategy[PipelineConfig]):
                 float(slots * max(sizes, default=0)),
                 2,
                 slots,
+                counted=2 * m * job.accumulate * sum(sizes) / p,
                 inter_node=job.spans_nodes(p),
+                timed=False,
             )
         ]
         if replicas > 1:
@@ -349,12 +354,16 @@ class StageRunner(nn.Module):
         self.task_loss: Loss | None = None  # the step's: train_step's argument
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-        stage = timed_stage_class()(
+        self.sender = timed_stage_class()(
             self.part, self.stage, self.stages, self.device, group=self.layout.pipe_group, timer=self.timer
         )
         kind = ScheduleGPipe if schedule == Schedule("gpipe") else Schedule1F1B
         # scale_grads=False: scaling is in the loss (see the module docstring).
-        self.schedule = kind(stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = kind(self.sender, microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def meter_sends(self, meter: CommMeter | None) -> None:
+        """Count what this stage sends to its neighbours in `meter` (kind activations)."""
+        self.sender.meter = meter
 
     # ------------------------------------------------------------------------- checkpoints
     # The whole model's state, gathered on rank 0 under the model's own names, from the rank of each
@@ -525,11 +534,26 @@ def timed_stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
 
     class TimedStage(PipelineStage):
-        """A PipelineStage that adds the time of its forward and backward computations to `timer`."""
+        """A PipelineStage that adds the time of its forward and backward computations to `timer`, and
+        the bytes it sends to its neighbours (activations forward, their gradients backward) to
+        `meter`, where there is one."""
 
         def __init__(self, *args: Any, timer: StageTimer, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.timer = timer
+            self.meter: CommMeter | None = None
+
+        def get_fwd_send_ops(self, *args: Any, **kwargs: Any) -> Any:
+            return self._counted(super().get_fwd_send_ops(*args, **kwargs))
+
+        def get_bwd_send_ops(self, *args: Any, **kwargs: Any) -> Any:
+            return self._counted(super().get_bwd_send_ops(*args, **kwargs))
+
+        def _counted(self, ops: list[Any]) -> list[Any]:
+            if self.meter is not None:
+                sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                self.meter.count(sent, "activations")
+            return ops
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             with self.timer.compute():

@@ -206,6 +206,8 @@ class Nd(Strategy[NdConfig]):
             no_sync = lambda: no_grad_sync(fsdp)  # noqa: E731
             if meter is not None:
                 meter = _fsdp_meter(fsdp, hsdp=degrees.dp_replicate > 1)
+        if stage is not None:
+            stage.meter_sends(meter)
         scores = at["tp"] == 0 and (stage is None or stage.is_last)
         runner = _Runner(trained, scores=scores, meter=meter, tp=degrees.tp > 1, stage=stage)
         own_step = degrees.tp > 1 or stage is not None
@@ -334,9 +336,10 @@ class Nd(Strategy[NdConfig]):
         (fsdp's count: all-gathers of each unit's shard, again for the backward with
         reshard_after_forward, one reduce-scatter of its gradient; HSDP's all-reduce of the reduced
         shard across the groups), and with pp > 1 the activations between stages (pipeline's
-        count, not metered). With stages, each rank holds and sends for its own stage only: the
-        per-rank counts are averages over the stages (the meter averages over ranks), the
-        parameters stay gathered for all micro-batches, and FSDP reduces after each schedule step."""
+        count; every tp rank sends its own copy to its counterpart in the next stage). With stages,
+        each rank holds and sends for its own stage only: the per-rank counts are averages over the
+        stages (the meter averages over ranks), the parameters stay gathered for all micro-batches,
+        and FSDP reduces after each schedule step."""
         degrees = self.degrees(job.world)
         pp, chunks = degrees.pp, self.settings.microbatches if degrees.pp > 1 else 1
         passes = job.accumulate * chunks  # forward and backward passes per optimizer step
@@ -363,9 +366,11 @@ class Nd(Strategy[NdConfig]):
         parts = group(model_stages(job.model), pp)
         sizes = boundary_bytes(parts, job, job.global_batch / passes / degrees.dp)
         slots = 2 * (chunks + pp - 1) * job.accumulate
-        what = "activations and their gradients between stages, per micro-batch slot (not metered)"
+        what = "activations and their gradients between stages, per micro-batch slot"
         sent = float(slots * max(sizes, default=0) / degrees.tp)  # each tp rank sends its counterpart's
-        return [*out, Collective(what, "sendrecv", sent, 2, slots, inter_node=job.nodes > 1)]
+        counted = 2 * chunks * job.accumulate * sum(sizes) / pp
+        sends = Collective(what, "sendrecv", sent, 2, slots, counted=counted, timed=False)
+        return [*out, replace(sends, inter_node=job.nodes > 1)]
 
     def _data_parallel(
         self, job: Workload, degrees: Degrees, shapes: dict[int, tuple[int, ...]]
