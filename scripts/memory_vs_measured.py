@@ -59,18 +59,20 @@ CASES: list[tuple[str, list[str]]] = [
 ]
 
 
-def measure(out: Path, label: str, overrides: list[str]) -> Path:
+COMMON = ["trainer.epochs=1", "trainer.max_steps=2", "trainer.batch_size=48", "trainer.progress=false"]
+
+
+class CaseFailed(RuntimeError):
+    pass
+
+
+def measure(out: Path, label: str, overrides: list[str], common: list[str] | None = None) -> Path:
+    """Run one case (scripts/on_gpu.py runs its own through this too) in a directory named after it."""
     run_dir = out / label.replace(" ", "_").replace("=", "-")
-    common = [
-        "trainer.epochs=1",
-        "trainer.max_steps=2",
-        "trainer.batch_size=48",
-        "trainer.progress=false",
-        "trainer.threads=1",
-    ]
-    result = ddpexp.run([*overrides, *common, f"hydra.run.dir={run_dir}"])
+    extra = [*COMMON, "trainer.threads=1"] if common is None else common
+    result = ddpexp.run([*overrides, *extra, f"hydra.run.dir={run_dir}"])
     if result.status != "completed":
-        raise SystemExit(f"{label}: the run {result.status} (see {run_dir}/ddpexp.log)")
+        raise CaseFailed(f"{label}: the run {result.status} (see {run_dir}/ddpexp.log)")
     return run_dir
 
 
@@ -105,7 +107,10 @@ def main() -> int:
     for label, overrides in CASES:
         if wanted and not any(w in label for w in wanted):
             continue
-        rows += compare(label, measure(args.out, label, overrides))
+        try:
+            rows += compare(label, measure(args.out, label, overrides))
+        except CaseFailed as exc:
+            raise SystemExit(str(exc)) from None
     print(table(rows, args.format))
     good = sum(within(r[3], r[4]) for r in rows)
     share = good / max(len(rows), 1)

@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import memory_vs_measured  # beside this script
 import torch
 
-import ddpexp
 from ddpexp.predict import MeasuredRun
 from ddpexp.predict.memory import MB, predict_run
 from ddpexp.runrecord import read_run_record
 
-CATEGORIES = ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb", "mem/activations_mb")
+CATEGORIES = memory_vs_measured.CATEGORIES
 LM = ["data=synthetic_tokens", "task=lm", "optim=adamw", "strategy=single"]
 GPT2 = [*LM, "model=gpt2_124m", "trainer.batch_size=8"]
 CASES: list[tuple[str, list[str]]] = [
@@ -54,7 +54,6 @@ CASES: list[tuple[str, list[str]]] = [
 
 
 def measure(out: Path, label: str, overrides: list[str], device: str, steps: int | None) -> Path:
-    run_dir = out / label.replace(" ", "_").replace("=", "-")
     common = [
         f"device={device}",
         "trainer.epochs=2",
@@ -62,10 +61,7 @@ def measure(out: Path, label: str, overrides: list[str], device: str, steps: int
         "checkpoint.every_epochs=null",
         *([f"trainer.max_steps={steps}"] if steps else []),
     ]
-    result = ddpexp.run([*overrides, *common, f"hydra.run.dir={run_dir}"])
-    if result.status != "completed":
-        raise RuntimeError(f"{label}: the run {result.status} (see {run_dir}/ddpexp.log)")
-    return run_dir
+    return memory_vs_measured.measure(out, label, overrides, common)
 
 
 def compare(label: str, run_dir: Path, took_s: float) -> dict[str, Any]:
