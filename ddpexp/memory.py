@@ -223,11 +223,7 @@ class _StoragesMade(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        given = {_key(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            key = _key(t)
-            if key is None or key in given:
-                continue
+        for key, t in _made_by(args, kwargs, out):
             known = self._made.get(key)
             if known is None or known() is None:  # a freed storage's address (or fake identity) reused
                 self._made[key] = weakref.ref(t.untyped_storage())
@@ -265,11 +261,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        given = {_key(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            key = _key(t)
-            if key is None or key in given:
-                continue
+        for key, t in _made_by(args, kwargs, out):
             known = self._counted.get(key)
             if known is not None and known[0]() is not None:
                 continue
@@ -293,6 +285,15 @@ class LiveBytes(TorchDispatchMode):
         if entry is not None and entry[1]:
             self._events[entry[2]] = 0  # as if never made here
             entry[1] = 0
+
+
+def _made_by(args: Any, kwargs: Any, out: Any) -> Iterator[tuple[tuple[str, int], torch.Tensor]]:
+    """An op's results whose storages it made (not views or in-place results of its inputs)."""
+    given = {_key(t) for t in _tensors((args, kwargs))}
+    for t in _tensors(out):
+        key = _key(t)
+        if key is not None and key not in given:
+            yield key, t
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
