@@ -5,7 +5,7 @@ config.yaml alone) and measured MB, with CUDA's peak allocated against the predi
 MFU is what a cluster profile's `achieved_mfu` should say; the peak is what `ddpexp plan`'s "fits"
 rests on.
 
-    python scripts/on_gpu.py                      # every case (about 3 minutes on one H100)
+    python scripts/on_gpu.py                      # every case (about 5 minutes on one H100)
     python scripts/on_gpu.py --only gpt2          # the cases whose label contains one of these
     python scripts/on_gpu.py --skip compile       # all but those
     python scripts/on_gpu.py --device cpu --only gpt_small --steps 2   # the same path on a CPU

@@ -18,8 +18,8 @@ strategy says what each rank holds and computes (`Strategy.held`), and from that
   transient       what the same fake forward and backward holds beyond its saved activations at its
                   peak, early in the backward: outputs still referenced (a transformer's logits) and
                   the backward's temporaries (the gradients of those logits), counted by
-                  ddpexp.memory.LiveBytes. Not a category a run measures; it is in `peak`, which CUDA's max
-                  allocated (mem/peak_mb on a GPU) measures
+                  ddpexp.memory.LiveBytes. Not a category a run measures; it is in `peak`, which
+                  CUDA's max allocated (mem/peak_mb on a GPU) measures
 
 Why fake tensors for activations rather than a formula per layer type: the shipped models mix
 convolutions, pooling, BatchNorm, attention and tied embeddings, activation checkpointing changes what

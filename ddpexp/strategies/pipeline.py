@@ -157,9 +157,9 @@ class Pipeline(Strategy[PipelineConfig]):
         transfer per micro-batch slot of the schedule: 2(m + p - 1) on the critical path, each waited
         for before the stage computes (no overlap credited); counted as the meter counts them: each
         stage sends m micro-batches' over each of its boundaries, 2m times the boundaries' bytes over
-        p ranks on average. With replicas, each stage's
-        gradient all-reduced over its replicas after the step, all stages at once (the largest bounds
-        the time), counted as the meter counts it: every rank its stage's bytes, S/p on average."""
+        p ranks on average. With replicas, each stage's gradient all-reduced over its replicas after
+        the step, all stages at once (the largest bounds the time), counted as the meter counts it:
+        every rank its stage's bytes, S/p on average."""
         p, m = self.settings.stages, self.settings.microbatches
         replicas = _replicas(self.settings, job.world)
         parts = group(model_stages(job.model), p)

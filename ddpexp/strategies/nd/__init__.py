@@ -369,8 +369,10 @@ class Nd(Strategy[NdConfig]):
         what = "activations and their gradients between stages, per micro-batch slot"
         sent = float(slots * max(sizes, default=0) / degrees.tp)  # each tp rank sends its counterpart's
         counted = 2 * chunks * job.accumulate * sum(sizes) / pp
-        sends = Collective(what, "sendrecv", sent, 2, slots, counted=counted, timed=False)
-        return [*out, replace(sends, inter_node=job.nodes > 1)]
+        sends = Collective(
+            what, "sendrecv", sent, 2, slots, counted=counted, inter_node=job.nodes > 1, timed=False
+        )
+        return [*out, sends]
 
     def _data_parallel(
         self, job: Workload, degrees: Degrees, shapes: dict[int, tuple[int, ...]]
