@@ -55,7 +55,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     activation_checkpointing.apply(model, trainer.activation_checkpointing, meter=activations)
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)
     if trainer.compile:
-        wrapped.module = torch.compile(wrapped.module)  # type: ignore[assignment]
+        strategy.compile(wrapped)
     seed_everything(cfg.seed + ctx.rank)  # from here on each rank draws its own random stream
     mode = loaders.choose_mode(cfg.loader.mode.value, splits.train, ctx.device)
     train_loader, eval_loader = (make_loader(job, ctx, splits, mode, train=t) for t in (True, False))

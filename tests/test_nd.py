@@ -41,6 +41,11 @@ MESHES: dict[str, tuple[int, list[str]]] = {
     "dp_replicate 2 x tp 2": (4, ["strategy.dp_replicate=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x tp 2": (4, ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x dp_shard 2, 1f1b": (4, ["strategy.pp=2", "strategy.dp_shard=2", "strategy.schedule=1f1b"]),
+    # Each stage's blocks compiled after tensor parallelism (a whole stage compiled fails here).
+    "pp 2 x tp 2 compiled": (
+        4,
+        ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1", "trainer.compile=true"],
+    ),
 }
 SINGLES = {"init": ["trainer.max_steps=0"], "single": [], "single clip": ["trainer.clip_grad_norm=0.5"]}
 
@@ -143,6 +148,22 @@ def test_a_2d_checkpoint_resumes_under_single_and_under_another_mesh(
         measured = drift(weights(tmp_path / name), weights(uninterrupted), weights(nd_runs["init"]))
         assert measured <= EXACT, f"resumed under {name}: drifted {measured:.3g}"
         assert metrics(tmp_path / name)["final"]["step"] == 8
+
+
+def test_compile_compiles_each_block_in_place_and_leaves_the_rest_eager():
+    """torchtitan's per-block compile: the blocks' calls compiled, the module trained and its
+    embeddings and head left as they were (what tensor parallelism and FSDP hold on to)."""
+    from ddpexp.models.gpt import gpt
+    from ddpexp.strategies import Wrapped
+    from ddpexp.strategies import resolve as resolve_strategy
+
+    model = gpt(input_shape=(16,), vocab_size=64, n_layer=2, n_head=2, dim=32, block_size=16)
+    wrapped = Wrapped(module=model, base=model)
+    resolve_strategy({"name": "nd"}).compile(wrapped)
+    assert wrapped.module is model
+    blocks = model.shard_units()
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert [m for m in model.modules() if m._compiled_call_impl is not None] == blocks
 
 
 def test_degrees_take_the_rest_of_the_world_and_lay_ranks_tp_innermost():

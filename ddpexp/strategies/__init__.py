@@ -16,7 +16,7 @@ What the contract covers, in the order a run uses it:
   launch arithmetic   uses_process_group, devices_per_process, default_nprocs, pinned_devices
   data layout         data_layout: which shard of every global batch each rank reads (default: its own)
   before launch       check (against the plan), check_model (on a model built on the meta device)
-  in each worker      wrap -> Wrapped, build_optimizer
+  in each worker      wrap -> Wrapped, build_optimizer, compile (trainer.compile)
   checkpoints         model_state / load_model_state, optimizer_state / load_optimizer_state: full,
                       unsharded state in plain containers, whatever the strategy holds per rank
   cost model          communication (what it sends per optimizer step, as `Collective`s),
@@ -234,6 +234,10 @@ class Strategy(ABC, Generic[C]):
 
     def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         return make(wrapped.base.parameters())
+
+    def compile(self, wrapped: Wrapped) -> None:
+        """trainer.compile: torch.compile what trains, whole, as wrapped."""
+        wrapped.module = torch.compile(wrapped.module)  # type: ignore[assignment]
 
     # ------------------------------------------------------------------------- checkpoints
     # Called on every rank at the same point (a strategy may need a collective); rank 0 writes.

@@ -9,7 +9,11 @@ built once per worker; each parallelism works on its sub-mesh. Applied in torcht
    tp mesh; sequence_parallel=true keeps the activations between blocks split along the sequence;
 3. activation checkpointing: trainer.activation_checkpointing, applied before any strategy (it swaps
    the blocks' classes and keeps their names, so the plan still finds every module);
-4. data parallelism (dp_replicate x dp_shard > 1): FSDP2 (fully_shard) over the data-parallel mesh,
+4. compile (trainer.compile): each block compiled in place (`nn.Module.compile`, per block, as
+   torchtitan does), called after wrap: compilation happens at a block's first call, so each graph
+   is the block as tensor parallelism and checkpointing made it, with FSDP's hooks around it, the
+   same thing torchtitan's call between the two yields;
+5. data parallelism (dp_replicate x dp_shard > 1): FSDP2 (fully_shard) over the data-parallel mesh,
    each of the model's shard units, then the root; with dp_replicate > 1 HSDP, the 2-D mesh:
    parameters sharded within a group of dp_shard ranks, gradients all-reduced across the groups.
 
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from ...config import StrategyConfig
+from ...models import declared_blocks
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Held, Overlap, Workload
@@ -227,6 +232,16 @@ class Nd(Strategy[NdConfig]):
 
     def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
         return make(wrapped.module.parameters())  # a stage's: its part's only
+
+    def compile(self, wrapped: Wrapped) -> None:
+        """Each of this rank's blocks compiled in place, as torchtitan compiles (the rest runs eager);
+        a model that declares no blocks, whole. See the module's docstring for where this sits."""
+        mine = {id(m) for m in wrapped.module.modules()}
+        blocks = [b for b in declared_blocks(wrapped.base) if id(b) in mine]
+        if not blocks:
+            super().compile(wrapped)
+        for block in blocks:
+            block.compile()
 
     # ------------------------------------------------------------------------- checkpoints
 
