@@ -17,7 +17,8 @@ from hydra import compose
 from ddpexp import load_model
 from ddpexp.errors import UserError
 from ddpexp.plan import HostFacts
-from ddpexp.strategies.pipeline import Pipeline, PipelineConfig, StageTimer
+from ddpexp.strategies.pipeline import Pipeline, PipelineConfig
+from ddpexp.strategies.pipeline.stage import StageTimer
 from ddpexp.validate import plan
 
 from .conftest import (

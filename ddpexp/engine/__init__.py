@@ -17,26 +17,21 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from . import distributed, memory
-from .config import OnNonFinite, Precision
-from .data.loaders import Loader, to_device
-from .errors import UserError
-from .heartbeat import Heartbeat, Preempted
-from .interrupts import raise_if_requested
-from .recorder import NullRecorder
-from .strategies import FP16_FIX, FP16_OWN_STEP, FP16_OWN_STEPS, Wrapped
-from .strategies.comm import KINDS
-from .tasks import Classification, Task
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
-    from .plan import Plan
+from .. import distributed, memory
+from ..config import Precision
+from ..data.loaders import Loader, to_device
+from ..errors import UserError
+from ..heartbeat import Heartbeat, Preempted
+from ..interrupts import raise_if_requested
+from ..recorder import NullRecorder
+from ..strategies import FP16_FIX, FP16_OWN_STEP, FP16_OWN_STEPS, Wrapped
+from ..tasks import Classification, Task
+from . import epoch_metrics
+from .settings import LoopSettings, Position
 
 log = logging.getLogger(__name__)
 
@@ -47,66 +42,6 @@ class TrainingDiverged(RuntimeError):
 
 FOLD_EVERY = 64  # losses kept before folding them into the sums (bounds the list on long log intervals)
 AUTOCAST = {Precision.fp32: None, Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
-
-
-@dataclass
-class LoopSettings:
-    epochs: int
-    max_steps: int | None
-    log_every_steps: int
-    eval_every_epochs: int
-    global_batch: int
-    eval_every_steps: int | None = None
-    accumulate: int = 1
-    precision: Precision = Precision.fp32
-    clip_grad_norm: float | None = None
-    channels_last: bool = False
-    checkpoint_every_epochs: int | None = None
-    checkpoint_every_steps: int | None = None
-    devices: int = 1  # devices training in parallel (per-device throughput)
-    stop_on_nonfinite: bool = True
-    time_comm_every_steps: int = 1  # the comm meter times one optimizer step in this many
-    # Throughput in tokens (data with tokens: DataInfo.tokens_per_sample) and MFU (ddpexp/flops.py):
-    # set once the data and the model are known; None: not reported.
-    tokens_per_sample: int | None = None
-    flops_per_token: float | None = None
-    peak_flops: float | None = None  # of one device
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, plan: Plan) -> LoopSettings:
-        t, c = cfg.trainer, cfg.checkpoint
-        return cls(
-            epochs=t.epochs,
-            max_steps=t.max_steps,
-            log_every_steps=t.log_every_steps,
-            eval_every_epochs=t.eval_every_epochs,
-            global_batch=plan.global_batch,
-            eval_every_steps=t.eval_every_steps,
-            accumulate=t.accumulate,
-            precision=Precision(t.precision),
-            clip_grad_norm=t.clip_grad_norm,
-            channels_last=t.channels_last,
-            checkpoint_every_epochs=c.every_epochs,
-            checkpoint_every_steps=c.every_steps,
-            devices=plan.devices,
-            stop_on_nonfinite=t.on_nonfinite == OnNonFinite.stop,
-            time_comm_every_steps=t.time_comm_every_steps,
-        )
-
-    def total_steps(self, steps_per_epoch: int) -> int:
-        """Optimizer steps the run will take: all epochs, or fewer with max_steps."""
-        planned = steps_per_epoch * self.epochs
-        return planned if self.max_steps is None else min(planned, self.max_steps)
-
-
-@dataclass
-class Position:
-    """Where training stands: `epoch` is the epoch in progress (0-based), `step_in_epoch` the optimizer
-    steps already taken in it, `step` the global optimizer step count."""
-
-    epoch: int = 0
-    step: int = 0
-    step_in_epoch: int = 0
 
 
 class Engine:
@@ -308,26 +243,13 @@ class Engine:
         self._check_finite(loss_sum)
         values = {
             "train/epoch_loss": loss_sum / max(micro_count, 1.0),  # train/loss: the log windows
-            **self._throughput(throughput),
+            **epoch_metrics.throughput(self.settings, throughput),
             "perf/epoch_time_s": elapsed,
             "perf/step_time_s": elapsed / max(steps, 1),
         }
-        return values | self._side_metrics(wait=wait, elapsed=elapsed, steps=steps)
-
-    def _throughput(self, samples_per_s: float) -> dict[str, float]:
-        """Samples/s; for data with tokens, tokens/s too; and MFU where FLOPs and peak are known."""
-        s = self.settings
-        out = {
-            "perf/samples_per_s": samples_per_s,
-            "perf/samples_per_s_per_device": samples_per_s / s.devices,
-        }
-        if s.tokens_per_sample is None:
-            return out
-        tokens_per_s = samples_per_s * s.tokens_per_sample
-        out |= {"perf/tokens_per_s": tokens_per_s, "perf/tokens_per_s_per_device": tokens_per_s / s.devices}
-        if s.flops_per_token is not None and s.peak_flops:
-            out["perf/mfu"] = s.flops_per_token * tokens_per_s / (s.peak_flops * s.devices)
-        return out
+        return values | epoch_metrics.costs(
+            self.model, self.device, self.peak, self._resident, wait=wait, elapsed=elapsed, steps=steps
+        )
 
     def _check_finite(self, loss: float) -> None:
         """Every rank sees the same all-reduced value, so every rank stops together."""
@@ -360,36 +282,6 @@ class Engine:
             self._log_loss += total
             self._log_count += len(self._pending)
             self._pending.clear()
-
-    def _side_metrics(self, *, wait: float, elapsed: float, steps: int) -> dict[str, float]:
-        """Data wait, communication and peak memory of the epoch: averaged (time) or maxed (memory)
-        over ranks, in one small reduction each."""
-        comm = self.model.comm.take() if self.model.comm is not None else None
-        world = max(distributed.world_size(), 1)
-        kinds = [float(comm[1][kind]) if comm else 0.0 for kind in KINDS]
-        local = [wait, comm[0] if comm else 0.0, *kinds]
-        sums = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=self.device))
-        wait_s, comm_s, *kind_bytes = (v / world for v in sums.tolist())
-        out = {
-            "perf/data_wait_frac": wait_s / elapsed if elapsed > 0 else 0.0,
-            "mem/peak_mb": self._peak_mb(),
-            **(self._resident or {}),
-        }
-        if comm is not None:
-            out["comm/bytes_per_step"] = sum(kind_bytes) / max(steps, 1)
-            if comm_s > 0 or not sum(kind_bytes):  # bytes and no time: untimed (a pipeline's sends)
-                out["comm/time_per_step_s"] = comm_s / max(steps, 1)
-                out["comm/share"] = comm_s / elapsed if elapsed > 0 else 0.0
-            # by kind (comm/bytes_per_step/sync_bn...), each only for strategies that send it
-            by_kind = zip(KINDS, kind_bytes, strict=True)
-            out |= {f"comm/bytes_per_step/{k}": b / max(steps, 1) for k, b in by_kind if b}
-        if self.model.extra_metrics is not None:
-            out |= self.model.extra_metrics()
-        return out
-
-    def _peak_mb(self) -> float:
-        """Peak memory of this rank's device since the run began (memory.Peak), max over ranks."""
-        return distributed.all_reduce_max(self.peak.mb())
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs of the loop itself, besides the model and optimizer: where training
