@@ -121,6 +121,23 @@ def test_the_peak_counts_the_backward_s_temporaries_a_transformer_s_logits_first
     )
 
 
+def test_loss_parallelism_leaves_each_tensor_parallel_rank_its_share_of_the_logits(hydra_conf):
+    """Plain tensor parallelism gathers the whole logits on every tp rank for the loss; under
+    loss_parallel each rank's logits, their gradient and the loss's temporaries are its 1/tp share,
+    which the fake run, computing the loss under loss_parallel() as the run does, predicts."""
+    from hydra import compose
+
+    batch, length, vocab = 8, 64, 8192
+    base = [*GPT, "data=synthetic_tokens", f"model.vocab_size={vocab}", f"data.block_size={length}"]
+    ranks = {}
+    for split in (False, True):
+        overrides = [*base, "strategy=nd", "strategy.tp=2", f"strategy.loss_parallel={split}"]
+        ranks[split] = predict(compose("config", overrides=overrides), world=2, global_batch=batch)[0]
+    logits = batch * length * vocab * 4  # float32, whole
+    assert ranks[False].transient - ranks[True].transient > logits, ranks
+    assert ranks[True].activations <= ranks[False].activations, ranks
+
+
 def test_live_bytes_counts_by_hand_what_is_alive_at_once_and_leaves_the_gradients_out():
     from ddpexp.memory import LiveBytes
 

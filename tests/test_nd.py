@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpexp.errors import UserError
 from ddpexp.strategies.nd.degrees import Degrees, resolve
@@ -41,6 +42,17 @@ MESHES: dict[str, tuple[int, list[str]]] = {
     "dp_replicate 2 x tp 2": (4, ["strategy.dp_replicate=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x tp 2": (4, ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x dp_shard 2, 1f1b": (4, ["strategy.pp=2", "strategy.dp_shard=2", "strategy.schedule=1f1b"]),
+    "tp 2 loss parallel": (2, ["strategy.tp=2", "strategy.loss_parallel=true"]),
+    "pp 2 x tp 2 sequence parallel, loss parallel": (
+        4,
+        [
+            "strategy.pp=2",
+            "strategy.tp=2",
+            "strategy.dp_shard=1",
+            "strategy.sequence_parallel=true",
+            "strategy.loss_parallel=true",
+        ],
+    ),
     # Each stage's blocks compiled after tensor parallelism (a whole stage compiled fails here).
     "pp 2 x tp 2 compiled": (
         4,
@@ -119,6 +131,30 @@ def test_sequence_parallelism_moves_other_collectives_than_plain_tensor_parallel
     plain, sequence = (metrics(nd_runs[n])["final"] for n in ("tp 2", "tp 2 sequence parallel"))
     tag = "comm/bytes_per_step/tensor_parallel"
     assert plain[tag] != sequence[tag]
+
+
+def test_loss_parallelism_sends_a_few_floats_a_token_instead_of_the_logits(nd_runs: dict[str, Path]):
+    """Under loss_parallel the head's logits stay split by vocabulary: no rank gathers them (gpt_tiny:
+    16 x 64 tokens, 256 entries each), and the cross-entropy all-reduces three floats a token
+    instead. The same parameters (above), fewer bytes."""
+    plain, split = (metrics(nd_runs[n])["final"] for n in ("tp 2", "tp 2 loss parallel"))
+    tag = "comm/bytes_per_step/tensor_parallel"
+    tokens, vocab = 16 * 64, 256
+    gathered = tokens * vocab // 2 * 4  # the logits' all-gather: each rank hands in its half, fp32
+    assert plain[tag] - split[tag] == gathered - 3 * tokens * 4
+
+
+def test_loss_parallelism_is_refused_for_a_plan_that_cannot_keep_the_logits_split():
+    from ddpexp.strategies.nd import tensor_parallel
+
+    class Planned(torch.nn.Linear):
+        def parallel_plan(self, *, tp: int, sequence_parallel: bool) -> dict:
+            return {}
+
+    assert tensor_parallel.plan_of(Planned(2, 2), tp=2, sequence_parallel=False) == {}
+    with pytest.raises(UserError, match="takes no loss_parallel") as caught:
+        tensor_parallel.plan_of(Planned(2, 2), tp=2, sequence_parallel=False, loss_parallel=True)
+    assert caught.value.setting == "strategy.loss_parallel"
 
 
 def test_a_model_with_batchnorm_trains_and_evaluates_in_stages(tmp_path: Path):

@@ -32,7 +32,7 @@ def test_a_plan_ranks_every_strategy_and_mesh_by_cost_with_time_and_cost_to_the_
     plans = json.loads(result.stdout)["plans"]
     labels = [p["plan"] for p in plans]
     # the data-parallel strategies, nd's meshes (tp within the node, pipeline stages) and pipeline's
-    assert {"ddp", "zero", "fsdp", "fsdp_no_reshard", "nd fsdp4 x tp2 sp", "nd pp2 x fsdp4"} <= set(labels)
+    assert {"ddp", "zero", "fsdp", "fsdp_no_reshard", "nd fsdp4 x tp2 sp lp", "nd pp2 x fsdp4"} <= set(labels)
     assert any(label.startswith("pipeline 2 stages") for label in labels)
     fitting = [p for p in plans if p["fits"]]
     assert fitting and [p["cost_usd"] for p in fitting] == sorted(p["cost_usd"] for p in fitting)

@@ -211,18 +211,23 @@ class GPT(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
 
-    def parallel_plan(self, *, tp: int, sequence_parallel: bool) -> dict[str, Any]:
+    def parallel_plan(
+        self, *, tp: int, sequence_parallel: bool, loss_parallel: bool = False
+    ) -> dict[str, Any]:
         """The tensor-parallel plan over `tp` ranks: module path -> ParallelStyle, for
         `parallelize_module` (Megatron's split, as PyTorch's TP tutorial and torchtitan apply it to
         Llama). Per block, the q/k/v projections and the MLP's w1/w3 split by output columns (each
         rank its own heads and hidden units), wo and w2 by input rows, so a block costs one
         all-reduce of its output after attention and one after the MLP. The embeddings split by
         vocabulary / position rows, the head by vocabulary columns, its logits gathered whole for
-        the task's loss.
+        the task's loss (unless loss_parallel).
 
         sequence_parallel: between those regions the activations stay split along the sequence
         (dim 1), so the norms run on 1/tp of the tokens; each all-reduce becomes a reduce-scatter,
         and an all-gather brings the sequence back before attention and the MLP.
+
+        loss_parallel: the head's logits stay split by vocabulary (a DTensor), for a cross-entropy
+        computed under `loss_parallel()`: no rank ever holds the whole (tokens x vocabulary) logits.
 
         A size that does not split over `tp` ranks raises UserError naming it."""
         from torch.distributed.tensor import Replicate, Shard
@@ -237,7 +242,11 @@ class GPT(nn.Module):
         between = Shard(1) if sequence_parallel else Replicate()  # activations outside attention/MLP
         plan: dict[str, Any] = {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-            "output": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+            "output": ColwiseParallel(
+                input_layouts=between,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
         }
         if self.pos_embeddings is not None:
             positions = Shard(0) if sequence_parallel else Replicate()  # its output is (L, dim)

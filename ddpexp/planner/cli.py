@@ -114,7 +114,10 @@ def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tu
         cfg = compose(overrides)
     job = job_of(overrides, cfg, tokens=args.tokens if args.epochs is None else None, epochs=args.epochs)
     links = fabric(cluster.interconnect)
-    results = [estimate(c, job, cluster, links) for c in candidates(cluster, job.stages)]
+    results = [
+        estimate(c, job, cluster, links)
+        for c in candidates(cluster, job.stages, loss_parallel=job.loss_parallel)
+    ]
     if not any(r.fits for r in results):
         runnable = [r for r in results if r.note is None]
         if not runnable:

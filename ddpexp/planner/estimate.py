@@ -35,12 +35,15 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def candidates(cluster: Cluster, stages: int) -> list[Candidate]:
+def candidates(cluster: Cluster, stages: int, *, loss_parallel: bool = False) -> list[Candidate]:
     """The data-parallel strategies over every device, then nd's meshes: tensor parallelism within a
-    node (2, 4, 8 ranks, with sequence parallelism), pipeline stages (2, 4; up to the model's `stages`),
-    FSDP over the rest; HSDP (a replica per node) over several nodes; and pipeline's 1F1B with DDP
-    replicas. Sizes that do not divide the world are left out."""
+    node (2, 4, 8 ranks, with sequence parallelism, and loss parallelism where the model's plan has
+    it, as torchtitan trains), pipeline stages (2, 4; up to the model's `stages`), FSDP over the rest;
+    HSDP (a replica per node) over several nodes; and pipeline's 1F1B with DDP replicas. Sizes that
+    do not divide the world are left out."""
     world, per_node = cluster.devices, cluster.devices_per_node
+    split: dict[str, Any] = {"sequence_parallel": True} | ({"loss_parallel": True} if loss_parallel else {})
+    named = " sp lp" if loss_parallel else " sp"
     out = [
         Candidate("ddp", {"name": "ddp"}),
         Candidate("zero", {"name": "zero"}),
@@ -53,22 +56,22 @@ def candidates(cluster: Cluster, stages: int) -> list[Candidate]:
         for tp in [1, *tps]:
             if (pp, tp) == (1, 1) or world % (pp * tp):
                 continue
-            mesh: dict[str, Any] = {"tp": tp, "sequence_parallel": True} if tp > 1 else {}
+            mesh: dict[str, Any] = {"tp": tp, **split} if tp > 1 else {}
             if pp > 1:
                 mesh |= {"pp": pp, "microbatches": 2 * pp, "schedule": "1f1b"}
             label = " x ".join(
                 [
                     *([f"pp{pp}"] if pp > 1 else []),
                     f"fsdp{world // (pp * tp)}",
-                    *([f"tp{tp} sp"] if tp > 1 else []),
+                    *([f"tp{tp}{named}"] if tp > 1 else []),
                 ]
             )
             out.append(Candidate(f"nd {label}", {"name": "nd", "dp_shard": -1, **mesh}))
     if cluster.nodes > 1:
         for tp in [1, *tps]:
             shard = world // cluster.nodes // tp
-            mesh = {"tp": tp, "sequence_parallel": True} if tp > 1 else {}
-            label = f"hsdp{cluster.nodes} x fsdp{shard}" + (f" x tp{tp} sp" if tp > 1 else "")
+            mesh = {"tp": tp, **split} if tp > 1 else {}
+            label = f"hsdp{cluster.nodes} x fsdp{shard}" + (f" x tp{tp}{named}" if tp > 1 else "")
             out.append(
                 Candidate(
                     f"nd {label}", {"name": "nd", "dp_replicate": cluster.nodes, "dp_shard": -1, **mesh}
@@ -135,6 +138,7 @@ class Job:
     flops_per_token: float
     target_tokens: float
     stages: int  # the model's stages() (pipeline's limit)
+    loss_parallel: bool  # whether its tensor-parallel plan can keep the logits split
 
 
 def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: float | None) -> Job:
@@ -143,6 +147,7 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
 
     from .. import models
     from ..data import build_source
+    from ..strategies.nd import tensor_parallel
 
     info = build_source(cfg.data).info()
     if info.targets != "token" or not info.tokens_per_sample:
@@ -170,7 +175,8 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
         target = float(tokens or 0)
     split = getattr(model, "stages", None)
     stages = len(split()) if callable(split) else 1
-    return Job(overrides, cfg, model, batch, seq_len, float(count(seq_len)), target, stages)
+    lp = tensor_parallel.splits_loss(model)
+    return Job(overrides, cfg, model, batch, seq_len, float(count(seq_len)), target, stages, lp)
 
 
 def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> Estimate:

@@ -268,7 +268,8 @@ def _activations(
             with autocast():
                 out = own(x)
             if held.loss:
-                task.loss(out, _targets(info, out, batch)).backward()
+                with held.loss_context() if held.loss_context else contextlib.nullcontext():
+                    task.loss(out, _targets(info, out, batch)).backward()
             else:
                 out.backward(torch.ones_like(out))
     saved = float(meter.peak_bytes or 0)

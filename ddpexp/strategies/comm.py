@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -339,6 +339,8 @@ class Held:
     # model's (tensor parallelism: parallelize_module on a device mesh, which the prediction makes in
     # a fake process group of the job's world size); None: as built.
     split: Callable[[nn.Module], None] | None = None
+    # Where its loss and the loss's backward run, if not plainly (tensor parallelism's loss_parallel).
+    loss_context: Callable[[], AbstractContextManager[Any]] | None = None
 
     @classmethod
     def replica(cls, model: nn.Module, samples: float, **changes: Any) -> Held:

@@ -4,7 +4,7 @@ The degrees (strategy.dp_replicate, dp_shard, tp, pp; one of them may be -1, the
 make one `DeviceMesh` (init_device_mesh, dims pp x dp_replicate x dp_shard x tp, see degrees.py),
 built once per worker; each parallelism works on its sub-mesh. Applied in torchtitan's order:
 
-1. pipeline split (pp > 1): this rank keeps its stage's part of the model (pipeline.py's grouping);
+1. pipeline split (pp > 1): this rank keeps its stage's part of the model (the pipeline strategy's grouping);
 2. tensor parallelism (tp > 1): the model's own plan (`parallel_plan()`), parallelize_module on the
    tp mesh; sequence_parallel=true keeps the activations between blocks split along the sequence;
 3. activation checkpointing: trainer.activation_checkpointing, applied before any strategy (it swaps
@@ -38,6 +38,7 @@ for ddpexp-predict, from the same plan on the meta device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -67,15 +68,8 @@ from ..fsdp import (
     unit_shards,
     units_and_ties,
 )
-from ..pipeline import (
-    Schedule,
-    StageLayout,
-    StageRunner,
-    check_microbatches,
-    check_stages,
-    schedule_slots,
-    stage_held,
-)
+from ..pipeline import check_microbatches, check_stages, schedule_slots, stage_held
+from ..pipeline.stage import Schedule, StageLayout, StageRunner
 from . import tensor_parallel
 from .degrees import NAMES, Degrees, resolve
 
@@ -99,6 +93,9 @@ class NdConfig(StrategyConfig):
     pp: int = 1
     # With tp > 1: activations between blocks (and the norms) split along the sequence over the tp ranks.
     sequence_parallel: bool = False
+    # With tp > 1: the head's logits stay split by vocabulary and the cross-entropy reduces over the tp
+    # ranks (torch's loss_parallel), instead of every tp rank gathering the whole logits.
+    loss_parallel: bool = False
     # FSDP: free gathered parameters after each unit's forward (gathered again for backward). With
     # pp > 1 parameters stay gathered until the step's last micro-batch's backward, whatever this says.
     reshard_after_forward: bool = True
@@ -144,15 +141,17 @@ class Nd(Strategy[NdConfig]):
         degrees = self.degrees(plan.world_size)
         if degrees.pp > 1:
             check_microbatches(plan, self.settings.microbatches, self.settings.schedule, degrees.pp)
-        if self.settings.sequence_parallel and degrees.tp == 1:
-            log.warning("strategy.sequence_parallel=true with tp=1 splits nothing: it changes nothing")
+        for setting in ("sequence_parallel", "loss_parallel"):
+            if getattr(self.settings, setting) and degrees.tp == 1:
+                log.warning("strategy.%s=true with tp=1 splits nothing: it changes nothing", setting)
 
     def check_model(self, model: nn.Module) -> None:
         if self.settings.pp > 1:
             check_stages(model, self.settings.pp, setting="strategy.pp")
         if self.settings.tp > 1:
+            s = self.settings
             tensor_parallel.plan_of(
-                model, tp=self.settings.tp, sequence_parallel=self.settings.sequence_parallel
+                model, tp=s.tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
             )
 
     # ------------------------------------------------------------------------- in each worker
@@ -214,7 +213,10 @@ class Nd(Strategy[NdConfig]):
         if stage is not None:
             stage.meter_sends(meter)
         scores = at["tp"] == 0 and (stage is None or stage.is_last)
-        runner = _Runner(trained, scores=scores, meter=meter, tp=degrees.tp > 1, stage=stage)
+        loss_parallel = degrees.tp > 1 and self.settings.loss_parallel
+        runner = _Runner(
+            trained, scores=scores, meter=meter, tp=degrees.tp > 1, stage=stage, loss_parallel=loss_parallel
+        )
         own_step = degrees.tp > 1 or stage is not None
         return Wrapped(
             module=trained,
@@ -294,6 +296,9 @@ class Nd(Strategy[NdConfig]):
         chunks = self.settings.microbatches if degrees.pp > 1 else 1
         samples = job.global_batch / degrees.dp / job.accumulate / chunks
         gathered = not self.settings.reshard_after_forward or degrees.pp > 1
+        loss_context = None
+        if degrees.tp > 1 and self.settings.loss_parallel:
+            loss_context = functools.partial(tensor_parallel.loss_context, True)
         out = []
         for rank in range(job.world):
             at = degrees.coordinates(rank)
@@ -321,6 +326,7 @@ class Nd(Strategy[NdConfig]):
                     optimized=trained,
                     in_step=in_step,
                     split=self._tensor_split(degrees) if degrees.tp > 1 else None,
+                    loss_context=loss_context,
                 )
             )
         return out
@@ -340,8 +346,9 @@ class Nd(Strategy[NdConfig]):
         """The model's tensor-parallel plan for these degrees ({} without tensor parallelism)."""
         if degrees.tp == 1:
             return {}
+        s = self.settings
         return tensor_parallel.plan_of(
-            model, tp=degrees.tp, sequence_parallel=self.settings.sequence_parallel
+            model, tp=degrees.tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
         )
 
     def communication(self, *, job: Workload) -> list[Collective]:
@@ -351,10 +358,11 @@ class Nd(Strategy[NdConfig]):
         (fsdp's count: all-gathers of each unit's shard, again for the backward with
         reshard_after_forward, one reduce-scatter of its gradient; HSDP's all-reduce of the reduced
         shard across the groups), and with pp > 1 the activations between stages (pipeline's
-        count; every tp rank sends its own copy to its counterpart in the next stage). With stages,
-        each rank holds and sends for its own stage only: the per-rank counts are averages over the
-        stages (the meter averages over ranks), the parameters stay gathered for all micro-batches,
-        and FSDP reduces after each schedule step."""
+        count; every tp rank sends its own copy to its counterpart in the next stage, with sequence
+        parallelism its part of the sequence). With stages, each rank holds and sends for its own
+        stage only: the per-rank counts are averages over the stages (the meter averages over ranks),
+        the parameters stay gathered for all micro-batches, and FSDP reduces after each schedule
+        step."""
         degrees = self.degrees(job.world)
         pp, chunks = degrees.pp, self.settings.microbatches if degrees.pp > 1 else 1
         passes = job.accumulate * chunks  # forward and backward passes per optimizer step
@@ -382,8 +390,10 @@ class Nd(Strategy[NdConfig]):
         sizes = boundary_bytes(parts, job, job.global_batch / passes / degrees.dp)
         slots = 2 * (chunks + pp - 1) * job.accumulate
         what = "activations and their gradients between stages, per micro-batch slot"
-        sent = float(slots * max(sizes, default=0) / degrees.tp)  # each tp rank sends its counterpart's
-        counted = 2 * chunks * job.accumulate * sum(sizes) / pp
+        # Each tp rank sends its counterpart's copy; with sequence parallelism only its part of the sequence.
+        part = degrees.tp if degrees.tp > 1 and self.settings.sequence_parallel else 1
+        sent = float(slots * max(sizes, default=0) / degrees.tp / part)
+        counted = 2 * chunks * job.accumulate * sum(sizes) / pp / part
         sends = Collective(
             what, "sendrecv", sent, 2, slots, counted=counted, inter_node=job.nodes > 1, timed=False
         )
@@ -477,9 +487,11 @@ class _Runner(nn.Module):
         meter: CommMeter | None,
         tp: bool,
         stage: StageRunner | None,
+        loss_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.trained = trained
+        self.loss_parallel = loss_parallel
         self.stage = stage
         self.scores = scores
         self.meter = meter
@@ -492,15 +504,15 @@ class _Runner(nn.Module):
     def train_step(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> torch.Tensor | None:
         if not self.shapes_known:
             self._infer_shapes(inputs, targets, scale, loss)
-        with self._counting():
+        with self._counting(), tensor_parallel.loss_context(self.loss_parallel):
             if self.stage is not None:
                 value = self.stage.train_step(inputs, targets, scale, loss)
-                return value if self.scores else None
+                return tensor_parallel.whole(value) if self.scores else None
             device = next(iter(self.trained.parameters())).device
             outputs = self.trained(inputs.to(device, non_blocking=True))
             value = loss(outputs, targets.to(outputs.device, non_blocking=True))
             (value * scale if scale != 1.0 else value).backward()
-        return value.detach() if self.scores else None
+        return tensor_parallel.whole(value.detach()) if self.scores else None
 
     def _infer_shapes(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> None:
         """A pipeline schedule's first step first infers every stage's input and output shapes by
@@ -510,7 +522,8 @@ class _Runner(nn.Module):
         assert self.stage is not None
         part = self.stage.part
         saved = [b.detach().clone() for b in part.buffers()]
-        with self.meter.paused() if self.meter is not None else contextlib.nullcontext():
+        unmetered = self.meter.paused() if self.meter is not None else contextlib.nullcontext()
+        with unmetered, tensor_parallel.loss_context(self.loss_parallel):
             self.stage.train_step(inputs, targets, scale, loss)
         for p in part.parameters():
             p.grad = None
@@ -533,7 +546,7 @@ class _Runner(nn.Module):
                     p.grad = grad.redistribute(grad.device_mesh, p.placements)
 
     def forward(self, inputs: Any) -> torch.Tensor | None:
-        outputs: torch.Tensor | None = self.trained(inputs)
+        outputs: torch.Tensor | None = tensor_parallel.whole(self.trained(inputs))  # split logits: gathered
         return outputs if self.scores else None
 
 

@@ -1,16 +1,18 @@
 """Tensor parallelism: applying a model's plan, metering the collectives it issues, and predicting them.
 
-The plan is the model's own (`parallel_plan(tp=..., sequence_parallel=...)`: module path ->
-ParallelStyle, see models/gpt.py); `apply` hands it to `parallelize_module`. A tensor shared by two
-modules (tied embeddings) is parallelised once per module, each time replaced by a new parameter, so
-the tie is made again afterwards, to the first module's parameter (both styles must shard it alike).
+The plan is the model's own (`parallel_plan(tp=..., sequence_parallel=..., loss_parallel=...)`:
+module path -> ParallelStyle, see models/gpt.py); `apply` hands it to `parallelize_module`. A tensor
+shared by two modules (tied embeddings) is parallelised once per module, each time replaced by a new
+parameter, so the tie is made again afterwards, to the first module's parameter (both styles must
+shard it alike).
 
 Metering: DTensor issues its collectives as functional ops (`_c10d_functional.*`), which a
-TorchDispatchMode sees (PyTorch's CommDebugMode counts them the same way). `CollectiveCounter` counts
-each one's payload as the other meters count theirs (the tensor each rank hands in: the whole
-activation for an all-reduce or a reduce-scatter, the rank's part for an all-gather), as kind
-`tensor_parallel`, and times it from launch to the wait on its result. FSDP's own collectives are c10d
-ops, not functional ones: fsdp.metered_collectives counts those.
+TorchDispatchMode sees once it lets DTensor dispatch first (PyTorch's CommDebugMode counts them the
+same way). `CollectiveCounter` counts each one's payload as the other meters count theirs (the
+tensor each rank hands in: the whole activation for an all-reduce or a reduce-scatter, the rank's
+part for an all-gather), as kind `tensor_parallel`, and times it from launch to the wait on its
+result. FSDP's own collectives are c10d ops, not functional ones: fsdp.metered_collectives counts
+those.
 
 Prediction (`communication`): the plan's styles, each with the layouts it converts between, applied to
 the shapes of each module's input and output in a forward of one micro-batch on the meta device. The
@@ -23,6 +25,8 @@ of the gradient backward; Shard -> Replicate an all-gather forward and a reduce-
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -50,8 +54,11 @@ class _Traffic(NamedTuple):
     once: bool = False
 
 
-def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool) -> dict[str, Any]:
-    """The model's tensor-parallel plan for `tp` ranks, or a UserError for a model without one."""
+def plan_of(
+    model: nn.Module, *, tp: int, sequence_parallel: bool, loss_parallel: bool = False
+) -> dict[str, Any]:
+    """The model's tensor-parallel plan for `tp` ranks, or a UserError for a model without one (or,
+    with loss_parallel, for one whose plan cannot keep its logits split)."""
     declare: Callable[..., dict[str, Any]] | None = getattr(model, "parallel_plan", None)
     if not callable(declare):
         raise UserError(
@@ -59,7 +66,44 @@ def plan_of(model: nn.Module, *, tp: int, sequence_parallel: bool) -> dict[str, 
             setting="strategy.tp",
             fix="set strategy.tp=1, or use a model with a plan (model=gpt, gpt_tiny, gpt_small...)",
         )
-    return declare(tp=tp, sequence_parallel=sequence_parallel)
+    if not loss_parallel:
+        return declare(tp=tp, sequence_parallel=sequence_parallel)
+    if not splits_loss(model):
+        raise UserError(
+            f"{type(model).__name__}.parallel_plan() takes no loss_parallel: its logits cannot stay split",
+            setting="strategy.loss_parallel",
+            fix="set strategy.loss_parallel=false, or give parallel_plan a loss_parallel keyword that "
+            "leaves the head's output a DTensor split by class (models/gpt.py does)",
+        )
+    return declare(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=True)
+
+
+def splits_loss(model: nn.Module) -> bool:
+    """Whether the model's plan can leave its logits split for a loss_parallel cross-entropy."""
+    declare = getattr(model, "parallel_plan", None)
+    return callable(declare) and "loss_parallel" in inspect.signature(declare).parameters
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Where the loss and its backward run: under loss_parallel() when the plan leaves the logits split
+    (a cross-entropy on them then reduces over the tp ranks instead of gathering them)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def whole(t: Any) -> Any:
+    """A DTensor made an ordinary tensor: the local value of a replicated one (the loss under
+    loss_parallel), all of a split one (logits for evaluation: a collective, every tp rank calls it)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return t
+    if all(isinstance(p, Replicate) for p in t.placements):
+        return t.to_local()
+    return t.full_tensor()
 
 
 def apply(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
@@ -140,6 +184,7 @@ class CollectiveCounter:
 
 
 def _mode_class() -> type:
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Mode(TorchDispatchMode):
@@ -150,6 +195,10 @@ def _mode_class() -> type:
         def __torch_dispatch__(
             self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
+            if DTensor in types:
+                # Let DTensor dispatch first: the collectives it issues inside an op (loss_parallel's
+                # all-reduces) then come back through this mode on plain tensors (CommDebugMode's way).
+                return NotImplemented
             start = time.perf_counter()
             out = func(*args, **(kwargs or {}))
             if func.namespace == "_c10d_functional":
@@ -180,10 +229,13 @@ def communication(
     shapes = _module_shapes(model, plan, micro_batch, input_shape, input_dtype)
     totals: dict[tuple[str, str, Overlap], list[float]] = {}
     for path, style in plan.items():
-        inputs, output = shapes[path]
+        inputs, output, shape = shapes[path]
         given = _arrives_as_dtensor(plan, path)
         module = model.get_submodule(path)
-        for t in _style_traffic(style, inputs, output, module, given):
+        traffic = _style_traffic(style, inputs, output, module, given)
+        if _keeps_output_split(style):
+            traffic += _loss_parallel_traffic(math.prod(shape[:-1]))
+        for t in traffic:
             entry = totals.setdefault((t.what, t.op, t.overlaps), [0.0, 0.0, 0.0])
             counted = t.full / tp if t.op == "all_gather" else t.full  # commbench sizes it by its output
             times = 1 if t.once else microbatches
@@ -198,16 +250,17 @@ def communication(
 
 def _module_shapes(
     model: nn.Module, plan: dict[str, Any], batch: int, input_shape: tuple[int, ...], dtype: torch.dtype
-) -> dict[str, tuple[list[int], int]]:
-    """For each planned module: the byte sizes of its tensor inputs and of its output, in one forward
-    of `batch` samples on the meta device."""
-    seen: dict[str, tuple[list[int], int]] = {}
+) -> dict[str, tuple[list[int], int, tuple[int, ...]]]:
+    """For each planned module: the byte sizes of its tensor inputs and of its output, and the
+    output's shape, in one forward of `batch` samples on the meta device."""
+    seen: dict[str, tuple[list[int], int, tuple[int, ...]]] = {}
     handles = []
     for path in plan:
 
         def hook(module: nn.Module, args: Any, out: Any, path: str = path) -> None:
             sizes = [_payload(a) for a in args if isinstance(a, torch.Tensor)]
-            seen.setdefault(path, (sizes, _payload(out)))
+            first = out[0] if isinstance(out, tuple | list) else out
+            seen.setdefault(path, (sizes, _payload(out), tuple(first.shape)))
 
         handles.append(model.get_submodule(path).register_forward_hook(hook))
     try:
@@ -310,6 +363,27 @@ def _style_traffic(
             what = "sequence-parallel norms' weight gradient all-reduce, once per step"
             out.append(_Traffic(what, "all_reduce", params, once=True))
     return out
+
+
+def _keeps_output_split(style: Any) -> bool:
+    """A column-wise style that hands its output on split (as a DTensor): the head under loss_parallel."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return (
+        isinstance(style, ColwiseParallel)
+        and not style.use_local_output
+        and isinstance(style.output_layouts[0], Shard)
+    )
+
+
+def _loss_parallel_traffic(tokens: int) -> list[_Traffic]:
+    """The cross-entropy under loss_parallel on logits split by class, for `tokens` rows: three
+    all-reduces of one float32 per row in the forward (the rows' maxima, their sums of exponentials,
+    the target's log-probability from the rank that holds it; torch's parallel/loss.py), none in the
+    backward, which works on each rank's columns."""
+    what = "loss parallel: cross-entropy's max, sum-exp and target all-reduces, forward"
+    return [_Traffic(what, "all_reduce", tokens * 4)] * 3
 
 
 def _input_has_grad(module: nn.Module) -> bool:
