@@ -46,7 +46,7 @@ write them), for single, ddp and fsdp (2 ranks), in two ways:
 Both contenders' OpenMP threads sleep between parallel regions (ddpexp sets OMP_WAIT_POLICY=PASSIVE
 for itself, this script for the twin), and both use ddpexp's threads rule (cores / processes).
 
-    python scripts/bench.py --transformer                   # 7 pairs, 15 rounds (about 50 min)
+    python scripts/bench.py --transformer                   # 7 pairs, 15 rounds (about 20 min)
     python scripts/bench.py --transformer --smoke           # gpt_tiny, 1 pair, 1 round (CI runs it)
 """
 
@@ -391,7 +391,7 @@ def main() -> None:
     p.add_argument("--strategies", default=None, help="default: single,ddp,fsdp,zero (smoke: single,ddp)")
     p.add_argument("--transformer", action="store_true", help="the GPT against its twin (docstring)")
     p.add_argument("--gpt-model", default="gpt_small", help="--transformer: the size (smoke: gpt_tiny)")
-    p.add_argument("--gpt-steps", type=int, default=4, help="--transformer: optimizer steps an epoch")
+    p.add_argument("--gpt-steps", type=int, default=8, help="--transformer: optimizer steps an epoch")
     p.add_argument("--gpt-rounds", type=int, default=15, help="--transformer: rounds in gpt_overhead.py")
     args = p.parse_args()
     if args.transformer:
