@@ -148,6 +148,8 @@ def test_measuring_changes_nothing():
     assert selective_against_plain().peak_bytes
 
 
+# The simulated torch has no switch, so the real one warns that it was not given: expected here.
+@pytest.mark.filterwarnings("ignore:A saved_tensors_hooks context:FutureWarning")
 def test_selective_checkpointing_runs_on_a_torch_without_the_saved_tensor_hooks_switch(monkeypatch):
     """torch 2.11's checkpoint has no respect_saved_tensors_hooks and passes unknown keywords on to
     the block's forward: the same gradients there too (seen on the lent H100's torch 2.11)."""
