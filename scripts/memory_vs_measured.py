@@ -53,6 +53,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("gpt_tiny pipeline W2", [*GPT, "strategy=pipeline"]),
     ("gpt_tiny nd_2d W4", [*GPT, "strategy=nd_2d", "dist.nprocs=4"]),
     ("gpt_tiny nd_2d_sp W4", [*GPT, "strategy=nd_2d_sp", "dist.nprocs=4"]),
+    (
+        "gpt_tiny nd_2d_sp loss_parallel W4",
+        [*GPT, "strategy=nd_2d_sp", "strategy.loss_parallel=true", "dist.nprocs=4"],
+    ),
     ("gpt_tiny nd_hsdp W4", [*GPT, "strategy=nd_hsdp", "dist.nprocs=4"]),
     ("gpt_tiny nd_pp_fsdp W4", [*GPT, "strategy=nd_pp_fsdp", "dist.nprocs=4"]),
     ("gpt_tiny nd_pp_tp W4", [*GPT, "strategy=nd_pp_tp", "dist.nprocs=4"]),
