@@ -201,6 +201,13 @@ def test_compile_compiles_each_block_in_place_and_leaves_the_rest_eager():
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
     assert [m for m in model.modules() if m._compiled_call_impl is not None] == blocks
 
+    # A pipeline stage holding none of the blocks (the embeddings alone) stays eager, not compiled whole.
+    fresh = gpt(input_shape=(16,), vocab_size=64, n_layer=2, n_head=2, dim=32, block_size=16)
+    stage = Wrapped(module=torch.nn.ModuleList([fresh.tok_embeddings]), base=fresh)
+    resolve_strategy({"name": "nd"}).compile(stage)
+    assert not any(m._compiled_call_impl is not None for m in fresh.modules())
+    assert not isinstance(stage.module, torch._dynamo.eval_frame.OptimizedModule)
+
 
 def test_degrees_take_the_rest_of_the_world_and_lay_ranks_tp_innermost():
     assert resolve({"pp": 1, "dp_replicate": 1, "dp_shard": -1, "tp": 2}, 8) == Degrees(1, 1, 4, 2)

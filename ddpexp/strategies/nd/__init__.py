@@ -236,14 +236,17 @@ class Nd(Strategy[NdConfig]):
         return make(wrapped.module.parameters())  # a stage's: its part's only
 
     def compile(self, wrapped: Wrapped) -> None:
-        """Each of this rank's blocks compiled in place, as torchtitan compiles (the rest runs eager);
-        a model that declares no blocks, whole. See the module's docstring for where this sits."""
-        mine = {id(m) for m in wrapped.module.modules()}
-        blocks = [b for b in declared_blocks(wrapped.base) if id(b) in mine]
+        """Each of this rank's blocks compiled in place, as torchtitan compiles (the rest runs eager; a
+        stage without blocks, all of it); a model that declares no blocks, whole. See the module's
+        docstring for where this sits."""
+        blocks = declared_blocks(wrapped.base)
         if not blocks:
             super().compile(wrapped)
+            return
+        mine = {id(m) for m in wrapped.module.modules()}
         for block in blocks:
-            block.compile()
+            if id(block) in mine:
+                block.compile()
 
     # ------------------------------------------------------------------------- checkpoints
 
