@@ -361,3 +361,21 @@ def test_a_wait_policy_of_your_own_is_kept(monkeypatch, env: dict[str, str]):
     host.quiet_waits()
     assert os.environ.get("OMP_WAIT_POLICY") == env.get("OMP_WAIT_POLICY")  # not made PASSIVE
     assert host.wait_policy() == ("active" if "OMP_WAIT_POLICY" in env else "spin 1000")
+
+
+def test_the_rendezvous_port_is_picked_below_the_kernel_s_ephemeral_range(tmp_path: Path, monkeypatch):
+    """The kernel hands ports of its ephemeral range to outgoing connections (gloo's, between ranks of
+    a run beside this one), so a port found free there could be taken before rank 0 listened on it:
+    EADDRINUSE in CI. Below the range only an explicit bind takes one. Unknown range: the kernel's."""
+    from ddpexp.launch import rendezvous
+
+    low = rendezvous._ephemeral_low()
+    if low is not None and low > 2048:
+        for _ in range(20):
+            port = rendezvous.free_port("127.0.0.1")
+            assert low // 2 <= port < low and rendezvous.port_is_free("127.0.0.1", port)
+    (tmp_path / "range").write_text("40000\t60999\n")
+    monkeypatch.setattr(rendezvous, "EPHEMERAL_RANGE", tmp_path / "range")
+    assert 20000 <= rendezvous.free_port("127.0.0.1") < 40000
+    monkeypatch.setattr(rendezvous, "EPHEMERAL_RANGE", tmp_path / "absent")
+    assert rendezvous.port_is_free("127.0.0.1", rendezvous.free_port("127.0.0.1"))

@@ -4,17 +4,38 @@ the launcher."""
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
 
 def free_port(addr: str) -> int:
+    """A port no one listens on, picked below the kernel's ephemeral range: the kernel hands ports of
+    that range to every outgoing connection (gloo's between ranks, any program's), so one found free
+    there can be taken before rank 0 listens on it (EADDRINUSE, seen with two test workers launching
+    runs side by side). Where the range is unknown, or nothing below it is free, the kernel's pick."""
+    low = _ephemeral_low()
+    if low is not None and low > 2048:
+        pick = random.SystemRandom()
+        for _ in range(64):
+            port = pick.randrange(low // 2, low)
+            if port_is_free(addr, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int | None:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def port_is_free(addr: str, port: int) -> bool:
