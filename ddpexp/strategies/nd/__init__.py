@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ... import activation_checkpointing
 from ...config import StrategyConfig
-from ...models import declared_blocks
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Held, Overlap, Workload
@@ -239,7 +239,7 @@ class Nd(Strategy[NdConfig]):
         """Each of this rank's blocks compiled in place, as torchtitan compiles (the rest runs eager; a
         stage without blocks, all of it); a model that declares no blocks, whole. See the module's
         docstring for where this sits."""
-        blocks = declared_blocks(wrapped.base)
+        blocks = activation_checkpointing.declared_blocks(wrapped.base)  # outermost: none compiled twice
         if not blocks:
             super().compile(wrapped)
             return
