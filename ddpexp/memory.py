@@ -40,7 +40,9 @@ class Peak:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+            # Before CUDA's first use there is nothing to reset, and resetting raises.
+            if torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats(device)
             return
         try:
             with open("/proc/self/clear_refs", "w") as f:

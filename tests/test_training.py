@@ -577,3 +577,25 @@ def test_each_run_in_one_process_reports_its_own_peak_memory(tmp_path: Path, mon
     status = Path("/proc/self/status").read_text().splitlines()
     now_mb = int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
     assert peak < now_mb + before_mb / 2, (peak, now_mb)
+
+
+def test_a_gpu_run_starts_before_cuda_has_allocated_anything(monkeypatch: pytest.MonkeyPatch):
+    """On a GPU a run makes its peak counter before CUDA's first use. There, resetting CUDA's peak
+    raises (torch 2.11 on an H100: "Invalid device argument", and every GPU run died at its start);
+    there is nothing to reset yet. Once CUDA is in use, the counter starts over."""
+    from ddpexp import memory
+
+    resets: list[torch.device] = []
+
+    def reset(device: torch.device) -> None:
+        if not torch.cuda.is_initialized():
+            raise RuntimeError("Invalid device argument ")
+        resets.append(device)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    memory.Peak(torch.device("cuda"))
+    assert resets == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    memory.Peak(torch.device("cuda", 0))
+    assert resets == [torch.device("cuda", 0)]
