@@ -30,7 +30,7 @@ The smoke run's strategies are single and ddp unless --strategies names others.
 --transformer measures the GPT instead (`model=gpt_small`, `data=synthetic_tokens`, `task=lm`,
 `optim=adamw`, global batch 16 windows of 128 tokens, --gpt-steps optimizer steps an epoch) against
 its hand-written twin, scripts/plain_gpt.py (plain PyTorch, DDP and FSDP2 as PyTorch's examples
-write them), for single, ddp and fsdp (2 ranks), in two ways:
+write them), for single, ddp and fsdp (2 ranks on CPUs, one per GPU on GPUs), in two ways:
 
   between processes  each repeat one pair of fresh processes, `python -m ddpexp` and the twin, the order
                      swapped every repeat (drifting load falls on both alike), the strategies taking
@@ -41,13 +41,17 @@ write them), for single, ddp and fsdp (2 ranks), in two ways:
                      check, not a speed) and the 1-minute load average at each start (min-max)
   in turn            scripts/gpt_overhead.py: ddpexp's Engine on its strategy and the twin's loop in the
                      same process(es), one epoch each in turn, --gpt-rounds rounds: the median ratio
-                     of the rounds (min-max), which resolves what the noise between processes hides
+                     of the rounds (min-max), which resolves what the noise between processes hides;
+                     on CPUs only (--gpt-rounds 0 leaves it out)
 
 Both contenders' OpenMP threads sleep between parallel regions (ddpexp sets OMP_WAIT_POLICY=PASSIVE
 for itself, this script for the twin), and both use ddpexp's threads rule (cores / processes).
 
     python scripts/bench.py --transformer                   # 7 pairs, 15 rounds (about 20 min)
     python scripts/bench.py --transformer --smoke           # gpt_tiny, 1 pair, 1 round (CI runs it)
+    python scripts/bench.py --transformer --gpt-steps 64 --gpt-rounds 0   # on a GPU
+
+On a GPU ddpexp's peak_MB is CUDA's peak allocated, the twin's its process's resident memory.
 """
 
 from __future__ import annotations
@@ -310,6 +314,8 @@ def gpt_main(args: argparse.Namespace) -> None:
         f"threads per rank = CPUs/ranks; {time.time() - started:.0f} s)"
     )
     rounds = 1 if args.smoke else args.gpt_rounds
+    if rounds == 0:
+        return
     print()
     print(
         f"in turn inside the same processes (scripts/gpt_overhead.py), {rounds} rounds: ddpexp / twin "
@@ -392,7 +398,9 @@ def main() -> None:
     p.add_argument("--transformer", action="store_true", help="the GPT against its twin (docstring)")
     p.add_argument("--gpt-model", default="gpt_small", help="--transformer: the size (smoke: gpt_tiny)")
     p.add_argument("--gpt-steps", type=int, default=8, help="--transformer: optimizer steps an epoch")
-    p.add_argument("--gpt-rounds", type=int, default=15, help="--transformer: rounds in gpt_overhead.py")
+    p.add_argument(
+        "--gpt-rounds", type=int, default=15, help="--transformer: gpt_overhead.py rounds (0: none)"
+    )
     args = p.parse_args()
     if args.transformer:
         gpt_main(args)

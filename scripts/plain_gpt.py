@@ -132,7 +132,7 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     world = args.world
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if world > 1:
+    if args.strategy != "single":  # DDP and FSDP2 need a process group, also of one rank
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     # ddpexp's default rule (trainer.threads=null): the host's cores shared out among the ranks.
@@ -155,7 +155,7 @@ def train(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     if rank == 0:
         out |= {"tokens_per_s": statistics.median(speeds[1:] or speeds), "peak_mb": float(peak)}
         out |= {"epoch_losses": losses}
-    if world > 1:
+    if dist.is_initialized():
         # DDP's reducer sits in reference cycles that hold the process group: free it, and let every
         # rank get here, before tearing the group down (plain_loop.py says what happens otherwise).
         del model, opt
@@ -175,14 +175,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt_small", help="a conf/model/gpt*.yaml size")
     p.add_argument("--strategy", default="single", choices=["single", "ddp", "fsdp"])
-    p.add_argument("--world", type=int, default=None, help="ranks (default: 1 for single, else 2)")
+    p.add_argument(
+        "--world", type=int, default=None, help="ranks (default: 1 for single, else 1 per GPU, or 2)"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="global, in samples of block_size tokens")
     p.add_argument("--train-tokens", type=int, default=262144, help="data.train_tokens")
     p.add_argument("--eval-tokens", type=int, default=32768, help="data.eval_tokens (drawn, not used)")
     p.add_argument("--epochs", type=int, default=3)
     args = p.parse_args()
-    args.world = args.world or (1 if args.strategy == "single" else 2)
-    if args.world == 1:
+    # ddpexp's own default (dist.nprocs): one process per GPU, else 2 on CPUs.
+    args.world = args.world or (1 if args.strategy == "single" else torch.cuda.device_count() or 2)
+    if args.strategy == "single":
         out: dict = {}
         train(0, args, 0, out)
     else:
