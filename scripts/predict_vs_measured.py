@@ -15,7 +15,7 @@ the record `ddpexp plan` draws its intervals from (ddpexp/predict/validation.jso
 `ddpexp plan --validation FILE` takes yours).
 
 The commbench results (one per W and burst length, measured first) time each collective after
---burst-ms of compute (10; with several lengths, e.g. 1,10, a wait is interpolated between them), as
+--burst-ms of compute (1 and 10 ms; a call's wait is interpolated between the lengths), as
 a step's collectives follow its compute, and record what W processes computing at once do to each
 one's compute; --back-to-back measures collectives as
 nccl-tests does instead, and --commbench FILE (repeatable) or --interconnect NAME skip the measuring.
@@ -96,7 +96,7 @@ def main() -> int:
         help="a commbench.json to use instead of measuring (repeat it: one per process count)",
     )
     p.add_argument(
-        "--burst-ms", default="10", help="compute before each benchmarked call: one commbench per length"
+        "--burst-ms", default="1,10", help="compute before each benchmarked call: one commbench per length"
     )
     p.add_argument("--back-to-back", action="store_true", help="benchmark collectives back to back")
     p.add_argument("--interconnect", help="a profile to use instead of a commbench (e.g. localhost_gloo)")
