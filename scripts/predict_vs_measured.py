@@ -23,11 +23,17 @@ Every run gets trainer.threads=1: the model assumes compute scales with the core
 which intra-op threads do not do perfectly; with one thread per process everywhere that question stays
 out of the comparison. Results are for the machine and the minute they were measured on: run it on an
 otherwise idle machine, and read the load averages it prints.
+
+With several --worlds each strategy is also predicted calibrated on its own run at the smallest
+(--calibrate-at; ddpexp-predict --calibrate): the issue's protocol, calibrate on W = 1 and 2 and
+predict the rest. Its column and summary line come beside the uncalibrated ones; the record keeps the
+uncalibrated predictions, as `ddpexp plan` makes them (no run on the cluster to calibrate on).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shlex
@@ -35,7 +41,8 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ddpexp
@@ -100,10 +107,18 @@ def main() -> int:
     )
     p.add_argument("--back-to-back", action="store_true", help="benchmark collectives back to back")
     p.add_argument("--interconnect", help="a profile to use instead of a commbench (e.g. localhost_gloo)")
+    p.add_argument(
+        "--calibrate-at",
+        type=int,
+        default=None,
+        help="also predict each strategy calibrated on its own run at this W (default: the smallest of "
+        "--worlds when there are several; 0: not)",
+    )
     p.add_argument("--record", type=Path, help="write every case here (the planner's intervals)")
     p.add_argument("--machine", help="what --record says it ran on (default: cores, CPU, OS)")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
+    calibrate_at = min(worlds) if args.calibrate_at is None and len(worlds) > 1 else args.calibrate_at or 0
     strategies = args.strategies.split(",")
     common = [f"trainer.epochs={args.epochs}", f"trainer.batch_size={args.batch}", "trainer.threads=1"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +160,12 @@ def main() -> int:
                     point.exposed_s,
                     measured.mean("comm/time_per_step_s"),
                 )
+            if calibrate_at in worlds:  # the issue's protocol: calibrate on W = 1 and 2, predict the rest
+                predictor.calibrate(args.out / f"{strategy}-{calibrate_at}{tag}")
+                for world in worlds:
+                    if world != calibrate_at:
+                        row = rows[(strategy, world)]
+                        rows[(strategy, world)] = replace(row, step_cal=predictor.point(world).step_s)
         rounds.append(rows)
     print(
         f"\nload average {os.getloadavg()[0]:.2f} at the end; single: "
@@ -154,6 +175,8 @@ def main() -> int:
     machine = args.machine or f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}"
     held = record(rounds, machine)
     print(summary(held, rounds, worlds))
+    if calibrate_at in worlds:
+        print(calibrated_summary(rounds, worlds, calibrate_at))
     if args.record:
         print(f"\nwrote {save(held, args.record)}")
     print(
@@ -173,6 +196,7 @@ class Row:
     bytes_meas: float
     exposed_pred: float
     comm_meas: float
+    step_cal: float = math.nan  # predicted with the strategy's own run at --calibrate-at
 
 
 def record(rounds: list[dict[tuple[str, int], Row]], machine: str) -> Validation:
@@ -191,19 +215,41 @@ def summary(held: Validation, rounds: list[dict[tuple[str, int], Row]], worlds: 
     each W of each round whether the strategy predicted fastest was the one measured fastest."""
     pred = [1 / r.step_pred for rows in rounds for r in rows.values()]
     meas = [1 / r.step_meas for rows in rounds for r in rows.values()]
-    right = scenarios = 0
-    for rows in rounds:
-        for world in worlds:
-            here = {k: r for k, r in rows.items() if k[1] == world}
-            if len(here) > 1:
-                scenarios += 1
-                chosen = min(here, key=lambda k: here[k].step_pred)
-                right += chosen == min(here, key=lambda k: here[k].step_meas)
-    choice = f"; first choice right in {right} of {scenarios} (W, round)" if scenarios else ""
+    choice = first_choice(rounds, worlds, lambda r: r.step_pred)
     return (
         f"\n{len(held.cases)} predictions: |error| median {held.median_error:.0%}, worst "
         f"{held.worst_error:.0%}; rank correlation of samples/s {spearman(pred, meas):+.2f}{choice}"
     )
+
+
+def calibrated_summary(rounds: list[dict[tuple[str, int], Row]], worlds: list[int], at: int) -> str:
+    """The same figures for the predictions calibrated on each strategy's own run at W = `at`, over
+    the other sizes (the calibration's own size is fitted, not predicted)."""
+    rows = [r for rs in rounds for r in rs.values() if not math.isnan(r.step_cal)]
+    errors = [abs(r.step_cal - r.step_meas) / r.step_meas for r in rows]
+    rho = spearman([1 / r.step_cal for r in rows], [1 / r.step_meas for r in rows])
+    choice = first_choice(rounds, worlds, lambda r: r.step_cal)
+    return (
+        f"calibrated on each strategy's own run at W = {at} as well ({len(rows)} predictions at the other "
+        f"sizes): |error| median {statistics.median(errors):.0%}, worst {max(errors):.0%}; rank "
+        f"correlation of samples/s {rho:+.2f}{choice}"
+    )
+
+
+def first_choice(
+    rounds: list[dict[tuple[str, int], Row]], worlds: list[int], predicted: Callable[[Row], float]
+) -> str:
+    """At each W of each round with two strategies or more predicted: was the one predicted fastest
+    the one measured fastest?"""
+    right = scenarios = 0
+    for rows in rounds:
+        for world in worlds:
+            here = {k: r for k, r in rows.items() if k[1] == world and not math.isnan(predicted(r))}
+            if len(here) > 1:
+                scenarios += 1
+                chosen = min(here, key=lambda k: predicted(here[k]))
+                right += chosen == min(here, key=lambda k: here[k].step_meas)
+    return f"; first choice right in {right} of {scenarios} (W, round)" if scenarios else ""
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -247,6 +293,8 @@ def render(rounds: list[dict[tuple[str, int], Row]], batch: int) -> str:
         "meas",
         "comm ms exposed pred",
         "comm ms meas",
+        "calibrated pred",
+        "err",
     )
     table = [header]
     for key in rounds[0]:
@@ -257,6 +305,8 @@ def render(rounds: list[dict[tuple[str, int], Row]], batch: int) -> str:
         err = f"{(pred - meas) / meas:+.0%}"
         if len(rows) > 1:
             err += f" ({min(errors):+.0%} to {max(errors):+.0%})"
+        cal = statistics.median(r.step_cal for r in rows)
+        cal_err = "-" if math.isnan(cal) else f"{(cal - meas) / meas:+.0%}"
         table.append(
             (
                 key[0],
@@ -270,6 +320,8 @@ def render(rounds: list[dict[tuple[str, int], Row]], batch: int) -> str:
                 f"{statistics.median(r.bytes_meas for r in rows):,.0f}",
                 f"{statistics.median(r.exposed_pred for r in rows) * 1e3:.2f}",
                 f"{statistics.median(r.comm_meas for r in rows) * 1e3:.2f}",
+                "-" if math.isnan(cal) else f"{cal * 1e3:.2f}",
+                cal_err,
             )
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]

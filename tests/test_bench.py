@@ -133,11 +133,12 @@ def test_plain_fsdp_and_zero_twins_train_the_same_model(tmp_path: Path):
 
 def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_path: Path):
     """scripts/predict_vs_measured.py, as the README runs it but small: a single run and ddp at W=2
-    per round, two rounds (medians, ranges, per-round errors), an interconnect profile instead of a
-    commbench. Its bytes column must agree with the measured one: the cost model counts what DDP sends."""
+    and 3 per round, two rounds (medians, ranges, per-round errors), an interconnect profile instead of
+    a commbench. Its bytes column must agree with the measured one: the cost model counts what DDP
+    sends. W = 3 is also predicted calibrated on ddp's own run at 2."""
     lines = script_output(
         "predict_vs_measured.py",
-        "--worlds=2",
+        "--worlds=2,3",
         "--epochs=2",
         "--strategies=ddp",
         "--interconnect=localhost_gloo",
@@ -151,15 +152,21 @@ def test_predict_vs_measured_prints_the_model_against_two_rounds_of_runs(tmp_pat
     # W, predicted ms, measured median (min-max), error of the medians (each round's smallest to largest)
     shape = r"\s*ddp\s+2\s+[\d.]+\s+[\d.]+ \([\d.]+-[\d.]+\)\s+[+-]\d+% \([+-]\d+% to [+-]\d+%\)\s"
     assert re.match(shape, row), row
-    bytes_pred, bytes_meas = (int(v.replace(",", "")) for v in row.split()[-4:-2])
+    bytes_pred, bytes_meas = (int(v.replace(",", "")) for v in row.split()[-6:-4])
     assert bytes_pred == bytes_meas == 116_536  # the ConvNet's gradients + DDP's buffer broadcast
+    assert row.split()[-2:] == ["-", "-"]  # the calibration's own size is not predicted calibrated
+    (at3,) = [ln for ln in lines if ln.split()[:2] == ["ddp", "3"]]
+    assert re.fullmatch(r"[\d.]+ [+-]\d+%", " ".join(at3.split()[-2:])), at3
+    (calibrated,) = [ln for ln in lines if ln.startswith("calibrated on each strategy's own run at W = 2")]
+    assert "(2 predictions at the other sizes): |error| median " in calibrated
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
-    assert runs == ["ddp-2-r0", "ddp-2-r1", "single-r0", "single-r1"]
+    assert runs == ["ddp-2-r0", "ddp-2-r1", "ddp-3-r0", "ddp-3-r1", "single-r0", "single-r1"]
     # The record the planner's ranges come from: each round's prediction against its measurement.
     record = validation.load(tmp_path / "record.json")
-    assert [(c.strategy, c.world, c.round) for c in record.cases] == [("ddp", 2, 0), ("ddp", 2, 1)]
+    cases = [(c.strategy, c.world, c.round) for c in record.cases]
+    assert cases == [("ddp", 2, 0), ("ddp", 3, 0), ("ddp", 2, 1), ("ddp", 3, 1)]
     assert record.machine == "the test's host" and "--repeats=2" in record.command
-    low, high = (f"{v:+.0%}" for v in sorted((1 / c.ratio - 1) for c in record.cases))
+    low, high = (f"{v:+.0%}" for v in sorted((1 / c.ratio - 1) for c in record.cases if c.world == 2))
     assert f"({low} to {high})" in row  # the same errors the table printed
 
 

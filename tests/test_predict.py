@@ -509,3 +509,34 @@ def test_dp_is_not_predicted_on_more_than_one_device_of_a_cpu_host(tmp_path: Pat
     point = Predictor.build(run, interconnect="localhost_gloo", strategy="dp").point(2)
     assert point.note is not None and "GPU" in point.note
     assert predict_curve(run, [1, 2, 4], interconnect="localhost_gloo", strategy="dp") == [(1, 1.0)]
+
+
+def test_a_run_of_the_strategy_at_one_size_calibrates_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """--calibrate: a single run predicts fsdp; an fsdp run at 2 devices, 6 ms a step slower than
+    predicted there (FSDP's own work each step, which the single run cannot show), adds those 6 ms at
+    every size, so the prediction at 2 is what that run measured. The wrong strategy, or another batch,
+    is refused in one line."""
+    single = make_run(tmp_path)
+    argv = [str(single), "--interconnect", "localhost_gloo", "--devices", "2,4"]
+    plain = Predictor.build(single, interconnect="localhost_gloo", strategy="fsdp")
+    at2, at4 = (plain.point(w).step_s for w in (2, 4))
+    fsdp = make_run(tmp_path, strategy="fsdp", devices=2, step_s=at2 + 0.006, comm_s=0.0)
+    assert predict.main([*argv, "--calibrate", str(fsdp)]) == 0  # the strategy: the calibration run's
+    out = capsys.readouterr().out
+    assert "predicting: fsdp " in out and "so every size pays +6 ms a step" in out
+    assert "exposed ms  overhead ms  step ms" in out
+    rows = {r[0]: r for r in (line.split() for line in out.splitlines() if line[:1].isdigit())}
+    step = 6  # W, N, compute, comm, exposed, overhead, step
+    assert float(rows["4"][5]) == pytest.approx(6.0)
+    assert float(rows["2"][step]) == pytest.approx((at2 + 0.006) * 1e3, abs=0.01)
+    assert float(rows["4"][step]) == pytest.approx((at4 + 0.006) * 1e3, abs=0.01)
+    assert "--calibrate: the calibration run is fsdp, the prediction is for ddp" in _refused(
+        capsys, *argv, "--strategy", "ddp", "--calibrate", str(fsdp)
+    )
+    other = tmp_path / "other"
+    other.mkdir()
+    assert "global batch is 96" in _refused(
+        capsys, *argv, "--calibrate", str(make_run(other, strategy="fsdp", devices=2, batch=96))
+    )

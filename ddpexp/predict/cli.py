@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import UserError
-from .model import Predictor
+from .measured import MeasuredRun
+from .model import Predictor, target_strategy
 from .render import render
 
 
@@ -57,6 +58,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overlap-efficiency", type=float, help="share of the hideable communication that hides (0-1)"
     )
+    p.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="a run of the predicted strategy at another size (e.g. 2 devices): what it measured beyond "
+        "the prediction there is added at every size (default strategy: that run's)",
+    )
     return p
 
 
@@ -68,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.overlap_efficiency} is not a share", setting="--overlap-efficiency", fix="give 0..1"
             )
         devices, nodes = _sizes(args.devices, "--devices"), _sizes(args.nodes, "--nodes")
+        if args.calibrate and args.strategy is None:
+            args.strategy = target_strategy(MeasuredRun.of(args.calibrate)).settings.name
         predictor = Predictor.build(
             args.run_dir,
             interconnect=args.interconnect,
@@ -75,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategy=args.strategy,
             settings=args.settings,
             overlap=args.overlap_efficiency,
+            calibration=args.calibrate,
         )
         points = predictor.points(devices, nodes)
         if not points:

@@ -138,6 +138,7 @@ class Point:
     counted_bytes: float  # what comm/bytes_per_step would show
     timed: tuple[tuple[Collective, float], ...] = ()
     note: str | None = None
+    overhead_s: float = 0.0  # from a calibration run (Predictor.calibrate), part of step_s
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Predictor:
     compute_run_s: float = 0.0  # per step, as the run measured it (its exposed communication removed)
     work_s: float = 0.0  # the global batch's compute on one device (one core on a CPU host)
     single_s: float = 0.0  # the global batch's compute on one device (the whole host on a CPU)
+    overhead_s: float = 0.0  # per step at every size, from a run of the predicted strategy (calibrate)
 
     @classmethod
     def build(
@@ -165,6 +167,7 @@ class Predictor:
         strategy: str | None = None,
         settings: Sequence[str] = (),
         overlap: float | None = None,
+        calibration: Any = None,
     ) -> Predictor:
         measured = MeasuredRun.of(run)
         predictor = cls(
@@ -176,7 +179,47 @@ class Predictor:
             overlap,
         )
         predictor._read_compute()
+        if calibration is not None:
+            predictor.calibrate(calibration)
         return predictor
+
+    def calibrate(self, run: Any) -> None:
+        """Calibrate on a run of the predicted strategy itself, at a size of its own: what it measured
+        beyond the prediction there (a strategy's own work each step, such as FSDP's hooks and copies,
+        which a run of another strategy cannot show) is paid at every size predicted. The held-out
+        validation calibrates this way on W = 2 and predicts 3 and 4 (docs/cost_model.md)."""
+        measured = MeasuredRun.of(run)
+        name, predicted = target_strategy(measured).settings.name, self.strategy.settings.name
+        if name != predicted:
+            raise UserError(
+                f"the calibration run is {name}, the prediction is for {predicted}",
+                setting="--calibrate",
+                fix=f"calibrate on a run of {predicted} (or predict --strategy {name})",
+            )
+        batch = measured.facts.get("global_batch_size"), self.run.facts.get("global_batch_size")
+        if batch[0] != batch[1]:
+            raise UserError(
+                f"the calibration run's global batch is {batch[0]}, the predicted run's {batch[1]}",
+                setting="--calibrate",
+                fix="calibrate on a run with the same model and global batch",
+            )
+        facts = measured.facts
+        devices, nodes = int(facts.get("devices") or 1), int(facts.get("nnodes") or 1)
+        self.overhead_s = 0.0
+        there = self.point(devices, nodes)
+        if there.note is not None:
+            raise UserError(
+                f"the calibration run's size cannot be predicted: {there.note}",
+                setting="--calibrate",
+                fix="calibrate on a run at a size the strategy runs at",
+            )
+        step = measured.mean("perf/step_time_s")
+        self.overhead_s = step - there.step_s
+        self.notes.append(
+            f"calibrated on {measured.path or 'a run'} ({name} on {devices} device(s)): {step * 1e3:.3g} "
+            f"ms/step measured against {there.step_s * 1e3:.3g} predicted, so every size pays "
+            f"{self.overhead_s * 1e3:+.3g} ms a step"
+        )
 
     # -------------------------------------------------------------------- reading the run
 
@@ -269,7 +312,7 @@ class Predictor:
             return Point(devices, nodes, 0, nan, nan, nan, nan, nan, nan, nan, note=str(exc))
         comm = sum(t for _, t in timed)
         exposed = comm - hidden_s(timed, compute, self._overlap(processes))
-        step = compute + exposed
+        step = max(compute + exposed + self.overhead_s, 1e-12)
         return Point(
             devices=devices,
             nodes=nodes,
@@ -282,6 +325,7 @@ class Predictor:
             efficiency=self.single_s / (devices * step),
             counted_bytes=sum(c.counted for c, _ in timed),
             timed=timed,
+            overhead_s=self.overhead_s,
         )
 
     def _check_devices(self, devices: int) -> None:

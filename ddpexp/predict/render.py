@@ -28,7 +28,7 @@ def render(predictor: Predictor, points: Sequence[Point]) -> str:
         f"{predictor.single_s * 1e3:.3g} ms ({gb / predictor.single_s:,.0f} samples/s)",
         "",
     ]
-    header = (
+    header: tuple[str, ...] = (
         "W",
         "N",
         "compute ms",
@@ -39,11 +39,15 @@ def render(predictor: Predictor, points: Sequence[Point]) -> str:
         "efficiency",
         "bytes/step",
     )
+    calibrated = predictor.overhead_s != 0  # its column shows: step = compute + exposed + overhead
+    if calibrated:
+        header = (*header[:5], "overhead ms", *header[5:])
     rows = []
     for p in points:
         if p.note is not None:
-            rows.append((str(p.devices), str(p.nodes), *["-"] * 7))
+            rows.append((str(p.devices), str(p.nodes), *["-"] * (len(header) - 2)))
             continue
+        overhead = (_ms(p.overhead_s),) if calibrated else ()
         rows.append(
             (
                 str(p.devices),
@@ -51,6 +55,7 @@ def render(predictor: Predictor, points: Sequence[Point]) -> str:
                 _ms(p.compute_s),
                 _ms(p.comm_s),
                 _ms(p.exposed_s),
+                *overhead,
                 _ms(p.step_s),
                 f"{p.samples_per_s:,.0f}",
                 f"{p.efficiency:.1%}",
