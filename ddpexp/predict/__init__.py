@@ -4,6 +4,7 @@ described by a profile (conf/interconnect/*.yaml) or measured by `ddpexp.commben
 
     ddpexp-predict RUN_DIR --devices 1,2,4,8,16 --nodes 1,2 --interconnect nvlink4,ib400
     ddpexp-predict RUN_DIR --strategy fsdp --devices 2,3,4 --commbench commbench.json
+    ddpexp-predict RUN_DIR --calibrate FSDP_RUN_ON_2 --devices 3,4 --commbench commbench.json
 
 The pieces, in the order a prediction uses them (docs/cost_model.md says what each assumes):
 
@@ -18,6 +19,8 @@ The pieces, in the order a prediction uses them (docs/cost_model.md says what ea
                 slowest link
   the step      compute (the run's, divided as the strategy divides it, slowed where CPU processes
                 share cores) + the communication that does not hide behind the forward/backward pass
+                (+ with --calibrate, what a run of the strategy itself measured beyond the prediction
+                at its own size)
 
 `predict_curve` gives the report (device count, efficiency) points to draw next to the measured ones.
 
