@@ -75,8 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.overlap_efficiency} is not a share", setting="--overlap-efficiency", fix="give 0..1"
             )
         devices, nodes = _sizes(args.devices, "--devices"), _sizes(args.nodes, "--nodes")
-        if args.calibrate and args.strategy is None:
-            args.strategy = target_strategy(MeasuredRun.of(args.calibrate)).settings.name
+        calibration = MeasuredRun.of(args.calibrate) if args.calibrate else None
+        if calibration is not None and args.strategy is None:
+            args.strategy = target_strategy(calibration).settings.name
         predictor = Predictor.build(
             args.run_dir,
             interconnect=args.interconnect,
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategy=args.strategy,
             settings=args.settings,
             overlap=args.overlap_efficiency,
-            calibration=args.calibrate,
+            calibration=calibration,
         )
         points = predictor.points(devices, nodes)
         if not points:

@@ -148,11 +148,8 @@ class Nd(Strategy[NdConfig]):
     def check_model(self, model: nn.Module) -> None:
         if self.settings.pp > 1:
             check_stages(model, self.settings.pp, setting="strategy.pp")
-        if self.settings.tp > 1:
-            s = self.settings
-            tensor_parallel.plan_of(
-                model, tp=s.tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
-            )
+        if self.settings.tp > 1:  # a model without a plan (or one without loss_parallel) is refused
+            self._plan(model, self.settings.tp)
 
     # ------------------------------------------------------------------------- in each worker
 
@@ -162,7 +159,7 @@ class Nd(Strategy[NdConfig]):
         degrees = self.degrees(ctx.world_size)
         mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=NAMES)
         at = degrees.coordinates(ctx.rank)
-        plan = self._plan(model, degrees)
+        plan = self._plan(model, degrees.tp)
         dp_mesh = mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
         # With stages, FSDP keeps the gathered parameters for all micro-batches (torchtitan's default).
         reshard = self.settings.reshard_after_forward and degrees.pp == 1
@@ -294,7 +291,7 @@ class Nd(Strategy[NdConfig]):
         gathered parameters through the step. With tensor parallelism its activations are those of
         the model split as `wrap` splits it (`split`)."""
         degrees = self.degrees(job.world)
-        dims = tensor_parallel.split_dims(job.model, self._plan(job.model, degrees))
+        dims = tensor_parallel.split_dims(job.model, self._plan(job.model, degrees.tp))
         stages = group(model_stages(job.model), degrees.pp) if degrees.pp > 1 else [job.model]
         chunks = self.settings.microbatches if degrees.pp > 1 else 1
         samples = job.global_batch / degrees.dp / job.accumulate / chunks
@@ -341,17 +338,17 @@ class Nd(Strategy[NdConfig]):
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", degrees.shape, mesh_dim_names=NAMES)
-            tensor_parallel.apply(model, mesh["tp"], self._plan(model, degrees))
+            tensor_parallel.apply(model, mesh["tp"], self._plan(model, degrees.tp))
 
         return split
 
-    def _plan(self, model: nn.Module, degrees: Degrees) -> dict[str, Any]:
-        """The model's tensor-parallel plan for these degrees ({} without tensor parallelism)."""
-        if degrees.tp == 1:
+    def _plan(self, model: nn.Module, tp: int) -> dict[str, Any]:
+        """The model's tensor-parallel plan over `tp` ranks ({} without tensor parallelism)."""
+        if tp == 1:
             return {}
         s = self.settings
         return tensor_parallel.plan_of(
-            model, tp=degrees.tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
+            model, tp=tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
         )
 
     def communication(self, *, job: Workload) -> list[Collective]:
@@ -370,7 +367,7 @@ class Nd(Strategy[NdConfig]):
         pp, chunks = degrees.pp, self.settings.microbatches if degrees.pp > 1 else 1
         passes = job.accumulate * chunks  # forward and backward passes per optimizer step
         out: list[Collective] = []
-        plan = self._plan(job.model, degrees)
+        plan = self._plan(job.model, degrees.tp)
         if degrees.tp > 1:
             out += tensor_parallel.communication(
                 job.model,
