@@ -199,9 +199,14 @@ class Row:
     step_cal: float = math.nan  # predicted with the strategy's own run at --calibrate-at
 
 
-def record(rounds: list[dict[tuple[str, int], Row]], machine: str) -> Validation:
+def record(
+    rounds: list[dict[tuple[str, int], Row]],
+    machine: str,
+    predicted: Callable[[Row], float] = lambda row: row.step_pred,
+) -> Validation:
+    """Every (strategy, W, round), `predicted` against measured."""
     cases = tuple(
-        Case(strategy, world, r, row.step_pred, row.step_meas)
+        Case(strategy, world, r, predicted(row), row.step_meas)
         for r, rows in enumerate(rounds)
         for (strategy, world), row in rows.items()
     )
@@ -225,13 +230,13 @@ def summary(held: Validation, rounds: list[dict[tuple[str, int], Row]], worlds: 
 def calibrated_summary(rounds: list[dict[tuple[str, int], Row]], worlds: list[int], at: int) -> str:
     """The same figures for the predictions calibrated on each strategy's own run at W = `at`, over
     the other sizes (the calibration's own size is fitted, not predicted)."""
-    rows = [r for rs in rounds for r in rs.values() if not math.isnan(r.step_cal)]
-    errors = [abs(r.step_cal - r.step_meas) / r.step_meas for r in rows]
-    rho = spearman([1 / r.step_cal for r in rows], [1 / r.step_meas for r in rows])
+    calibrated = [{k: r for k, r in rs.items() if not math.isnan(r.step_cal)} for rs in rounds]
+    held = record(calibrated, "", lambda r: r.step_cal)
+    rho = spearman([1 / c.predicted_s for c in held.cases], [1 / c.measured_s for c in held.cases])
     choice = first_choice(rounds, worlds, lambda r: r.step_cal)
     return (
-        f"calibrated on each strategy's own run at W = {at} as well ({len(rows)} predictions at the other "
-        f"sizes): |error| median {statistics.median(errors):.0%}, worst {max(errors):.0%}; rank "
+        f"calibrated on each strategy's own run at W = {at} as well ({len(held.cases)} predictions at the "
+        f"other sizes): |error| median {held.median_error:.0%}, worst {held.worst_error:.0%}; rank "
         f"correlation of samples/s {rho:+.2f}{choice}"
     )
 
