@@ -65,6 +65,9 @@ class Plan:
     # The GPUs one process drives when the strategy names them (dp's strategy.device_ids); empty: local
     # rank r drives devices r x devices_per_process onwards.
     pinned_devices: tuple[int, ...] = ()
+    # trainer.precision (fp32, bf16, fp16): a strategy that casts parameters itself (FSDP's mixed-precision
+    # policy) decides from it whether the engine autocasts.
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if not self.data_parallel:  # a plan.json written before data layouts existed

@@ -80,6 +80,7 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         data_parallel=shards,
         shard_of_rank=layout,
         pinned_devices=strategy.pinned_devices() if device_type == "cuda" else (),
+        precision=Precision.of(cfg.trainer.precision).name,
     )
     strategy.check(plan=result, host=host)
     why = strategy.fp16_conflict(world_size=world) if cfg.trainer.precision == Precision.fp16 else None

@@ -113,7 +113,7 @@ class Engine:
         self.activations = activations or memory.ActivationMeter()
         self._steps_here = 0  # optimizer steps this process has run
         self._measure_at = 0
-        dtype = AUTOCAST[settings.precision]
+        dtype = AUTOCAST[settings.precision] if model.autocast else None
         self._autocast: Callable[[], contextlib.AbstractContextManager[Any]] = (
             (lambda: torch.autocast(device_type=device.type, dtype=dtype))
             if dtype is not None

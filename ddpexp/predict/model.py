@@ -252,7 +252,17 @@ class Predictor:
             device_type=device_type,
             input_shape=self.shape.input_shape,
             input_dtype=self.shape.input_dtype,
+            precision=self.precision,
         )
+
+    @property
+    def precision(self) -> str:
+        """The run's trainer.precision (fp32 where its config does not say)."""
+        from ..config import Precision
+
+        config = self.run.config
+        value = config.get("trainer", {}).get("precision") if config is not None else None
+        return Precision.of(value).name if value is not None else "fp32"
 
     def _read_compute(self) -> None:
         """The run's compute per step: its step time less the metered communication that did not hide

@@ -132,6 +132,9 @@ class Wrapped:
     # True where each rank steps its optimizer on gradients of its own, never synchronised (local SGD,
     # DiLoCo): fp16's loss scaler could then skip a step on one rank alone, so the engine refuses fp16.
     own_steps: bool = False
+    # False where the strategy casts the parameters itself (FSDP's mixed-precision policy gathers them in
+    # bf16): the engine then runs the forward without trainer.precision's autocast.
+    autocast: bool = True
 
     def __post_init__(self) -> None:
         if self.eval_module is None:

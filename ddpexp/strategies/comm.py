@@ -286,6 +286,9 @@ class Collective:
     counted: float = 0.0
     inter_node: bool = False
     timed: bool = True  # False: the meter counts its bytes but not its time (comm/time_per_step_s)
+    # Where it spans nodes: its ranks on each node, which share the node's network adapters (a ring
+    # crossing nodes on k rails moves k times one adapter's bytes).
+    per_node: int = 1
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
@@ -306,6 +309,7 @@ class Workload:
     device_type: str = "cpu"
     input_shape: tuple[int, ...] | None = None  # one sample (DataInfo.input_shape)
     input_dtype: torch.dtype = torch.float32  # token ids: torch.long
+    precision: str = "fp32"  # trainer.precision: fp32, bf16, fp16
 
     @property
     def procs_per_node(self) -> int:
@@ -329,6 +333,9 @@ class Held:
     # unit it gathered from the forward to the backward); None: `params`.
     in_step: int | None = None
     copies: int = 0  # further copies of parameters it keeps outside mem/* (local SGD's average)
+    # What it holds only inside a step, at the step's peak, outside the model's forward and backward
+    # (FSDP's gathered units and reduce-scatter buffers, `fsdp.gathered_bytes`).
+    buffers: int = 0
     # What it runs forward: parts run in turn from the model's input, the last one its own (a pipeline
     # stage's input comes from the stages before); None: the whole model; (): nothing.
     chain: tuple[nn.Module, ...] | None = None
@@ -339,8 +346,15 @@ class Held:
     # model's (tensor parallelism: parallelize_module on a device mesh, which the prediction makes in
     # a fake process group of the job's world size); None: as built.
     split: Callable[[nn.Module], None] | None = None
+    split_key: Any = None  # what tells splits apart: ranks whose keys are equal split alike
     # Where its loss and the loss's backward run, if not plainly (tensor parallelism's loss_parallel).
     loss_context: Callable[[], AbstractContextManager[Any]] | None = None
+    # The dtype its parameters are computed in where the strategy casts them itself (FSDP's
+    # mixed-precision policy), with no autocast; None: as stored, under the run's autocast.
+    param_dtype: torch.dtype | None = None
+    # Micro-batch slots its critical path takes per micro-batch it runs: a pipeline's bubble, (m + p - 1)
+    # / m for m micro-batches over p stages; 1 where nothing waits.
+    slots: float = 1.0
 
     @classmethod
     def replica(cls, model: nn.Module, samples: float, **changes: Any) -> Held:

@@ -11,8 +11,12 @@ no memory at peak).
 - reshard_after_forward=true frees a unit's gathered parameters after its forward and gathers them
   again for backward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like: more memory, one
   all-gather fewer per step).
-- mixed_precision=bf16|fp16 computes with parameters cast to that dtype and reduces gradients in it;
-  the sharded master parameters and the optimizer stay fp32.
+- Mixed precision (FSDP2's MixedPrecisionPolicy): with trainer.precision=bf16 each unit's parameters
+  are gathered and computed in bf16 and its gradients reduced in fp32 (`reduce_dtype`), the sharded
+  master parameters, gradients and optimizer state staying fp32, and the engine does not autocast:
+  torchtitan's way, with no bf16 copy of every weight alive until its backward as autocast over fp32
+  parameters keeps. `mixed_precision=bf16|fp16` asks for that policy whatever trainer.precision says;
+  `mixed_precision=fp32` for none (parameters gathered as stored; with bf16 training autocast casts them).
 - cpu_offload=true keeps the sharded parameters, gradients and optimizer state in host memory.
 
 Checkpoints hold the full, unsharded state (torch.distributed.checkpoint.state_dict's full-state-dict
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -36,7 +41,7 @@ from torch import nn
 from ..errors import UserError
 from ..models import declared_blocks
 from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
-from .comm import Collective, CommMeter, Held, Overlap, Workload, all_parameter_bytes, record_when_done
+from .comm import Collective, CommMeter, Held, Overlap, Workload, record_when_done
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -50,6 +55,16 @@ log = logging.getLogger(__name__)
 class MixedPrecision(StrEnum):
     bf16 = "bf16"
     fp16 = "fp16"
+    fp32 = "fp32"  # no policy: parameters gathered and computed as stored
+
+
+class ReduceDtype(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -57,8 +72,11 @@ class FsdpConfig(DataParallelConfig):
     # true: free gathered parameters after each unit's forward (ZeRO-3-like); false: keep them for the
     # backward (ZeRO-2-like).
     reshard_after_forward: bool = True
-    # null: fp32 throughout; bf16/fp16: parameters for compute and gradient reduction in that dtype.
+    # The dtype parameters are gathered and computed in. null: trainer.precision's (bf16 training gathers
+    # bf16 and does not autocast); fp32: as stored (autocast casts them under bf16 training).
     mixed_precision: MixedPrecision | None = None
+    # The dtype gradients are reduce-scattered in when parameters compute in a lower one.
+    reduce_dtype: ReduceDtype = ReduceDtype.fp32
     # Sharded parameters, gradients and optimizer state in host memory.
     cpu_offload: bool = False
 
@@ -96,6 +114,39 @@ def _tied_outside(unit: nn.Module, model: nn.Module) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Precisions:
+    """The dtypes FSDP's mixed-precision policy gathers parameters and reduces gradients in; param None:
+    no policy (parameters as stored, the engine's autocast, if any, casting them)."""
+
+    param: torch.dtype | None
+    reduce: torch.dtype | None
+
+    @property
+    def autocast(self) -> bool:
+        """Whether the engine should autocast: not where the parameters themselves are cast."""
+        return self.param is None
+
+    def policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param, reduce_dtype=self.reduce)
+
+    def element_sizes(self) -> tuple[int | None, int | None]:
+        """Bytes an element travels in: (all-gathers, reduce-scatters); None: the parameter's own."""
+        size = lambda d: None if d is None else torch.empty((), dtype=d).element_size()  # noqa: E731
+        return size(self.param), size(self.reduce)
+
+
+def precisions(mixed: MixedPrecision | None, reduce: ReduceDtype, precision: str) -> Precisions:
+    """The policy `mixed_precision` (null: trainer.precision's, for bf16 only: fp16 training keeps its
+    autocast and loss scaling over fp32 parameters) and `reduce_dtype` give under trainer.precision."""
+    chosen = mixed.value if mixed is not None else "bf16" if precision == "bf16" else "fp32"
+    if chosen == "fp32":
+        return Precisions(None, None)
+    return Precisions(DTYPES[chosen], DTYPES[reduce.value])
+
+
 @register
 class Fsdp(Strategy[FsdpConfig]):
     name = "fsdp"
@@ -117,16 +168,19 @@ class Fsdp(Strategy[FsdpConfig]):
         if plan.world_size == 1:
             log.warning("fsdp on one rank shards nothing: its settings change nothing but speed")
 
+    def precisions(self, precision: str) -> Precisions:
+        return precisions(self.settings.mixed_precision, self.settings.reduce_dtype, precision)
+
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type)
         if not self.settings.cpu_offload:
             model = model.to(ctx.device)
         kwargs: dict[str, Any] = {"reshard_after_forward": self.settings.reshard_after_forward}
-        if self.settings.mixed_precision is not None:
-            dtype = torch.bfloat16 if self.settings.mixed_precision == MixedPrecision.bf16 else torch.float16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        mixed = self.precisions(ctx.plan.precision)
+        if mixed.param is not None:
+            kwargs["mp_policy"] = mixed.policy()
         if self.settings.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         units, ties = units_and_ties(model)
@@ -144,14 +198,21 @@ class Fsdp(Strategy[FsdpConfig]):
         fsdp: Any = model
         meter = metered_collectives(model) if measure_comm else None
         return Wrapped(
-            module=model, base=model, no_sync=lambda: no_grad_sync(fsdp), collective_eval=True, comm=meter
+            module=model,
+            base=model,
+            no_sync=lambda: no_grad_sync(fsdp),
+            collective_eval=True,
+            comm=meter,
+            autocast=mixed.autocast,
         )
 
     def held(self, *, job: Workload) -> list[Held]:
         """Rank r holds row chunk r of every parameter, its gradient and optimizer state (`shard_of`).
-        Without resharding each unit stays gathered from its forward to its backward, so at the step's
-        peak every parameter is whole."""
-        whole = None if self.settings.reshard_after_forward else all_parameter_bytes(job.model)
+        At the step's peak it also holds what FSDP gathers and reduces (`gathered_bytes`); with a
+        mixed-precision policy the gathered parameters are in its dtype, and so is the forward."""
+        mixed = self.precisions(job.precision)
+        reshard = self.settings.reshard_after_forward
+        gathered, buffers = gathered_bytes(unit_params(job.model), mixed, reshard=reshard)
         samples = job.global_batch / job.world / job.accumulate
         out = []
         for rank in range(job.world):
@@ -160,7 +221,17 @@ class Fsdp(Strategy[FsdpConfig]):
             ]
             trained = sum(b for p, b in mine if p.requires_grad)
             params = sum(b for _, b in mine)
-            out.append(Held(params, trained, trained, in_step=whole, samples=samples))
+            out.append(
+                Held(
+                    params,
+                    trained,
+                    trained,
+                    in_step=gathered,
+                    buffers=buffers + (0 if reshard else params),
+                    samples=samples,
+                    param_dtype=mixed.param,
+                )
+            )
         return out
 
     def communication(self, *, job: Workload) -> list[Collective]:
@@ -168,18 +239,22 @@ class Fsdp(Strategy[FsdpConfig]):
         one all-gather of its parameters for each micro-batch's forward, again for the backward with
         reshard_after_forward (the root's too: ddpexp sets the flag explicitly, so torch's exception for
         the root does not apply), and one reduce-scatter of its gradient on the last micro-batch
-        (sharded_traffic); with mixed_precision both travel in 2-byte elements."""
+        (sharded_traffic); under a mixed-precision policy the all-gathers travel in its parameter
+        dtype, the reduce-scatters in its reduce dtype."""
         world = job.world
         if world < 2:
             return []
-        element = 2 if self.settings.mixed_precision is not None else None
+        gather, reduce = self.precisions(job.precision).element_sizes()
+        units = unit_params(job.model)
         out = sharded_traffic(
-            unit_shards(unit_params(job.model), world, element_size=element),
+            unit_shards(units, world, element_size=gather),
             world,
             gathers=job.accumulate,
             reduces=1,
             again=self.settings.reshard_after_forward,
             inter_node=job.spans_nodes(world),
+            reduced=unit_shards(units, world, element_size=reduce),
+            per_node=min(world, job.procs_per_node),
         )
         return out + (syncbn.communication(job.model, job) if self.settings.sync_bn else [])
 
@@ -244,10 +319,22 @@ def load_full_optimizer_state(
 
 def unit_params(model: nn.Module) -> list[list[nn.Parameter]]:
     """The parameters each fully_shard call in `wrap` takes: every shard unit's, then the root's (the
-    rest)."""
+    rest). Kept per model while its parameters are the same ones: a planner asks for thousands of
+    ranks, and finding the units (their ties) walks the model once per block."""
+    current = tuple(map(id, model.parameters()))
+    known = _UNITS.get(model)
+    if known is not None and known[0] == current:
+        return [list(ps) for ps in known[1]]
     units = [list(unit.parameters()) for unit in shard_units(model)]
     taken = {id(p) for params in units for p in params}
-    return [*units, [p for p in model.parameters() if id(p) not in taken]]
+    found = [*units, [p for p in model.parameters() if id(p) not in taken]]
+    _UNITS[model] = (current, tuple(tuple(ps) for ps in found))
+    return [list(ps) for ps in found]
+
+
+_UNITS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], tuple[tuple[nn.Parameter, ...], ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def unit_shards(
@@ -279,18 +366,56 @@ def shard_of(shape: Any, ranks: int, rank: int) -> int:
     return chunk_len(shape[0], ranks, rank) * math.prod(shape[1:])
 
 
+def gathered_bytes(
+    units: list[list[nn.Parameter]],
+    mixed: Precisions,
+    *,
+    reshard: bool,
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> tuple[int | None, int]:
+    """What FSDP holds of the parameters at the step's peak, in a unit's backward, as (the parameters
+    alive where more than the rank's shards: every unit gathered, without resharding, from its
+    forward to its backward; None: the shards; its buffers beyond them: the units gathered for the
+    one computing and the next, prefetched, where it reshards, or the shards beside the gathered
+    parameters where it does not; and that unit's unsharded gradient, in the dtype it computes in,
+    with the buffer its reduce-scatter sends, in the reduce dtype). Gathered parameters are in the
+    policy's dtype. `shapes`: a parameter's shape as the rank holds it before FSDP (a tensor-parallel
+    split), where not its own."""
+    gather, reduce = mixed.element_sizes()
+    numel = [sum(math.prod((shapes or {}).get(id(p), tuple(p.shape))) for p in ps) for ps in units if ps]
+    if not numel:
+        return None, 0
+    element = next(p for ps in units for p in ps).element_size()
+    gather, reduce = gather or element, reduce or element
+    largest = sorted(numel, reverse=True)
+    unit_grad = largest[0] * (gather + reduce)
+    if reshard:
+        return None, sum(largest[:2]) * gather + unit_grad
+    return sum(numel) * gather, unit_grad
+
+
 def sharded_traffic(
-    shards: list[int], ranks: int, *, gathers: int, reduces: int, again: bool, inter_node: bool
+    shards: list[int],
+    ranks: int,
+    *,
+    gathers: int,
+    reduces: int,
+    again: bool,
+    inter_node: bool,
+    reduced: list[int] | None = None,
+    per_node: int = 1,
 ) -> list[Collective]:
     """FSDP's collectives over `ranks` per optimizer step for units whose shards are these bytes
     (unit_shards), counted as `metered_collectives` counts them: `gathers` all-gathers of the rank's
     shard for the forward, as many again for the backward when `again` (reshard_after_forward), and
-    `reduces` reduce-scatters of the unit's whole padded gradient (W x its shard). Forward all-gathers
-    are prefetched behind the previous unit's forward, backward ones and the reduce-scatters behind
-    the backward pass."""
+    `reduces` reduce-scatters of the unit's whole padded gradient (W x its shard; `reduced`: the
+    shards in the dtype gradients are reduced in, where not the gathered one). Forward all-gathers are
+    prefetched behind the previous unit's forward, backward ones and the reduce-scatters behind the
+    backward pass. `per_node`: the group's ranks on each node, where it spans nodes."""
     if not shards or ranks < 2:
         return []
     calls, shard = len(shards), float(sum(shards))
+    grad = float(sum(reduced)) if reduced is not None else shard
 
     def all_gather(what: str, overlaps: Overlap) -> Collective:
         return Collective(
@@ -302,6 +427,7 @@ def sharded_traffic(
             overlaps,
             counted=shard * gathers,
             inter_node=inter_node,
+            per_node=per_node,
         )
 
     backward = "parameter all-gather again for backward (reshard_after_forward)"
@@ -311,12 +437,13 @@ def sharded_traffic(
         Collective(
             "gradient reduce-scatter",
             "reduce_scatter",
-            ranks * shard * reduces,
+            ranks * grad * reduces,
             ranks,
             calls * reduces,
             Overlap.backward,
-            counted=ranks * shard * reduces,
+            counted=ranks * grad * reduces,
             inter_node=inter_node,
+            per_node=per_node,
         ),
     ]
 

@@ -55,13 +55,18 @@ from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Held, Overlap, Workload
 from ..ddp_mp import boundary_bytes, group, model_stages
 from ..fsdp import (
+    MixedPrecision,
+    Precisions,
+    ReduceDtype,
     chunk_len,
     full_model_state,
     full_optimizer_state,
+    gathered_bytes,
     load_full_model_state,
     load_full_optimizer_state,
     metered_collectives,
     no_grad_sync,
+    precisions,
     shard_of,
     sharded_traffic,
     unit_params,
@@ -102,12 +107,23 @@ class NdConfig(StrategyConfig):
     # pp > 1: micro-batches each per-rank batch is cut into, and their schedule (gpipe | 1f1b).
     microbatches: int = 4
     schedule: Schedule = Schedule.gpipe
+    # With dp > 1, the dtype FSDP gathers parameters and computes in (null: trainer.precision's, so bf16
+    # training gathers bf16 and does not autocast; fp32: as stored) and reduces gradients in: fsdp's.
+    mixed_precision: MixedPrecision | None = None
+    reduce_dtype: ReduceDtype = ReduceDtype.fp32
 
 
 @register
 class Nd(Strategy[NdConfig]):
     name = "nd"
     schema = NdConfig
+
+    def precisions(self, degrees: Degrees, precision: str) -> Precisions:
+        """FSDP's mixed-precision policy over the data-parallel ranks; none without them (tensor and
+        pipeline parallelism alone train under the engine's autocast)."""
+        if degrees.dp == 1:
+            return Precisions(None, None)
+        return precisions(self.settings.mixed_precision, self.settings.reduce_dtype, precision)
 
     def degrees(self, world: int) -> Degrees:
         s = self.settings
@@ -163,6 +179,8 @@ class Nd(Strategy[NdConfig]):
         dp_mesh = mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
         # With stages, FSDP keeps the gathered parameters for all micro-batches (torchtitan's default).
         reshard = self.settings.reshard_after_forward and degrees.pp == 1
+        mixed = self.precisions(degrees, ctx.plan.precision)
+        policy = {"mp_policy": mixed.policy()} if mixed.param is not None else {}
 
         def parallelise(part: nn.Module) -> None:
             """Tensor parallelism, then FSDP, on the modules of `part` (the whole model, or a stage)."""
@@ -177,8 +195,8 @@ class Nd(Strategy[NdConfig]):
 
                 for unit in units_and_ties(model)[0]:
                     if id(unit) in inside:
-                        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard)
-                fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard)
+                        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+                fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
 
         meter = CommMeter() if measure_comm else None
         stage: StageRunner | None = None
@@ -227,6 +245,7 @@ class Nd(Strategy[NdConfig]):
             grad_norm=_grad_norm if stage is None else stage.grad_norm,
             extra_metrics=None if stage is None else stage.bubble_metrics,
             sync_buffers=None if stage is None else _stage_buffers(stage.part, degrees, at["pp"]),
+            autocast=mixed.autocast,
         )
 
     def build_optimizer(self, wrapped: Wrapped, make: OptimizerSpec) -> torch.optim.Optimizer:
@@ -291,53 +310,76 @@ class Nd(Strategy[NdConfig]):
         gathered parameters through the step. With tensor parallelism its activations are those of
         the model split as `wrap` splits it (`split`)."""
         degrees = self.degrees(job.world)
-        dims = tensor_parallel.split_dims(job.model, self._plan(job.model, degrees.tp))
+        plan = self._plan(job.model, degrees.tp)
+        dims = tensor_parallel.split_dims(job.model, plan)
         stages = group(model_stages(job.model), degrees.pp) if degrees.pp > 1 else [job.model]
         chunks = self.settings.microbatches if degrees.pp > 1 else 1
         samples = job.global_batch / degrees.dp / job.accumulate / chunks
-        gathered = not self.settings.reshard_after_forward or degrees.pp > 1
+        reshard = self.settings.reshard_after_forward and degrees.pp == 1
+        mixed = self.precisions(degrees, job.precision)
+        shapes = tensor_parallel.local_shapes(job.model, plan, degrees.tp)
         loss_context = None
         if degrees.tp > 1 and self.settings.loss_parallel:
             loss_context = functools.partial(tensor_parallel.loss_context, True)
+        units = unit_params(job.model)
+        split = self._tensor_split(degrees) if degrees.tp > 1 else None
+        split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel)
+        held: dict[tuple[int, int, int], Held] = {}  # ranks at the same stage and chunks hold alike
+        per_stage: dict[int, tuple[list[nn.Parameter], Held, list[list[nn.Parameter]]]] = {}
         out = []
         for rank in range(job.world):
             at = degrees.coordinates(rank)
-            part = stages[at["pp"]]
-            whole = sharded = trained = 0
-            for p in part.parameters():
-                shape = list(p.shape) or [1]
-                if id(p) in dims:
-                    shape[dims[id(p)]] = chunk_len(shape[dims[id(p)]], degrees.tp, at["tp"])
-                local = math.prod(shape) * p.element_size()
-                mine = shard_of(shape, degrees.dp_shard, at["dp_shard"]) * p.element_size()
-                whole, sharded = whole + local, sharded + mine
-                trained += mine if p.requires_grad else 0
-            if degrees.pp > 1:
-                s = self.settings
-                base = stage_held(stages, at["pp"], samples=samples, microbatches=chunks, schedule=s.schedule)
-            else:
-                base = Held.replica(job.model, samples)
-            in_step = whole if gathered and degrees.dp_shard > 1 else None
-            out.append(
-                replace(
+            place = (at["pp"], at["tp"], at["dp_shard"])
+            if place not in held:
+                if at["pp"] not in per_stage:  # what does not depend on the rank's chunks, once a stage
+                    part = stages[at["pp"]]
+                    params = list(part.parameters())
+                    ids = {id(p) for p in params}
+                    if degrees.pp > 1:
+                        s = self.settings
+                        base = stage_held(
+                            stages, at["pp"], samples=samples, microbatches=chunks, schedule=s.schedule
+                        )
+                    else:
+                        base = Held.replica(job.model, samples)
+                    per_stage[at["pp"]] = (params, base, [[p for p in u if id(p) in ids] for u in units])
+                params, base, mine_units = per_stage[at["pp"]]
+                sharded = trained = 0
+                for p in params:
+                    shape = list(p.shape) or [1]
+                    if id(p) in dims:
+                        shape[dims[id(p)]] = chunk_len(shape[dims[id(p)]], degrees.tp, at["tp"])
+                    mine = shard_of(shape, degrees.dp_shard, at["dp_shard"]) * p.element_size()
+                    sharded += mine
+                    trained += mine if p.requires_grad else 0
+                in_step, buffers = None, 0
+                if degrees.dp_shard > 1:
+                    in_step, buffers = gathered_bytes(mine_units, mixed, reshard=reshard, shapes=shapes)
+                    buffers += 0 if reshard else sharded
+                held[place] = replace(
                     base,
                     params=sharded,
                     grads=trained,
                     optimized=trained,
                     in_step=in_step,
-                    split=self._tensor_split(degrees) if degrees.tp > 1 else None,
+                    buffers=buffers,
+                    split=split,
+                    split_key=split_key,
                     loss_context=loss_context,
+                    param_dtype=mixed.param,
                 )
-            )
+            out.append(held[place])
         return out
 
     def _tensor_split(self, degrees: Degrees) -> Callable[[nn.Module], None]:
         """Tensor parallelism's split of a model, on this job's mesh (of the process group in force)."""
 
         def split(model: nn.Module) -> None:
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = init_device_mesh("cpu", degrees.shape, mesh_dim_names=NAMES)
+            # The first ranks of the process group in force (it may hold more: a prediction's fake one).
+            ranks = torch.arange(degrees.world).reshape(degrees.shape)
+            mesh = DeviceMesh("cpu", ranks, mesh_dim_names=NAMES)
             tensor_parallel.apply(model, mesh["tp"], self._plan(model, degrees.tp))
 
         return split
@@ -413,7 +455,10 @@ class Nd(Strategy[NdConfig]):
         # dp_shard consecutive ranks, a replica group spans tp x dp_shard x dp_replicate.
         shard_spans = job.spans_nodes(degrees.tp * degrees.dp_shard)
         replica_spans = job.spans_nodes(degrees.tp * degrees.dp_shard * degrees.dp_replicate)
-        shards = unit_shards(unit_params(job.model), degrees.dp_shard, shapes=shapes)
+        gather, reduce = self.precisions(degrees, job.precision).element_sizes()
+        units = unit_params(job.model)
+        shards = unit_shards(units, degrees.dp_shard, element_size=gather, shapes=shapes)
+        grads = unit_shards(units, degrees.dp_shard, element_size=reduce, shapes=shapes)
         out = sharded_traffic(
             shards,
             degrees.dp_shard,
@@ -421,9 +466,11 @@ class Nd(Strategy[NdConfig]):
             reduces=reduces,
             again=self.settings.reshard_after_forward and not staged,
             inter_node=shard_spans,
+            reduced=grads,
+            per_node=max(1, job.procs_per_node // degrees.tp),
         )
-        if degrees.dp_replicate > 1 and shards:
-            reduced = float(sum(shards)) * reduces
+        if degrees.dp_replicate > 1 and grads:
+            reduced = float(sum(grads)) * reduces
             out.append(
                 Collective(
                     "each shard's gradient all-reduce across the replica groups (HSDP)",
@@ -434,6 +481,7 @@ class Nd(Strategy[NdConfig]):
                     Overlap.backward,
                     counted=reduced,
                     inter_node=replica_spans,
+                    per_node=max(1, job.procs_per_node // (degrees.tp * degrees.dp_shard)),
                 )
             )
         return out
