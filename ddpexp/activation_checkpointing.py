@@ -18,8 +18,10 @@ split, torch.compile) finds the same modules.
   an operator policy: the outputs of matrix multiplications, convolutions and attention are kept, every
   other op (norms, activations, pooling, elementwise) is recomputed from them. The kept ops are the
   expensive ones to redo, the recomputed ones are cheap but each adds a tensor the size of the
-  activations, so it saves much of full's memory for a fraction of its extra compute; torchtitan's
-  `selective_ac_option=op` makes the same trade.
+  activations, so it saves much of full's memory for a fraction of its extra compute.
+- selective_half: torchtitan's op-level policy (`selective_ac_option=op`): as selective, but of a
+  block's matrix products (mm, addmm) only the first, third, fifth... are kept, every second one
+  recomputed: less memory than selective for one more matmul in two redone.
 
 BatchNorm's running statistics are updated once per forward, as without checkpointing: while a block
 recomputes, its BatchNorm layers normalise by the batch's statistics without counting the batch again
@@ -94,7 +96,7 @@ def apply(model: nn.Module, mode: ActivationCheckpointing, *, meter: ActivationM
     for block in blocks:
         block.__class__ = _checkpointed(type(block))
         # In the instance's own attributes (not a submodule, nor a state_dict entry).
-        block.__dict__["_ac"] = _Settings(selective=mode == ActivationCheckpointing.selective, meter=meter)
+        block.__dict__["_ac"] = _Settings(mode=mode, meter=meter)
     log.info(
         "activation checkpointing (%s) of %d blocks of %s", mode.value, len(blocks), type(model).__name__
     )
@@ -126,10 +128,22 @@ def hook_options(checkpoint_fn: Any) -> dict[str, Any]:
 _RESPECT_HOOKS = hook_options(checkpoint)
 
 
+# The matrix products selective_half keeps one in two of.
+HALVED_OPS = frozenset(getattr(_aten, name).default for name in ("mm", "addmm"))
+
+
 @dataclass(frozen=True)
 class _Settings:
-    selective: bool
+    mode: ActivationCheckpointing
     meter: ActivationMeter | None
+
+    @property
+    def selective(self) -> bool:
+        return self.mode != ActivationCheckpointing.full
+
+    def policy(self) -> Any:
+        """A policy for one checkpointed call (selective_half's counts that call's matmuls)."""
+        return keep_expensive_ops if self.mode == ActivationCheckpointing.selective else half_of_matmuls()
 
 
 def _forward_of(cls: type[nn.Module]) -> Any:
@@ -138,18 +152,19 @@ def _forward_of(cls: type[nn.Module]) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward anyway
             return run(*args, **kwargs)
         settings: _Settings = self.__dict__["_ac"]
-        selective, meter = settings.selective, settings.meter
+        meter = settings.meter
         if torch.compiler.is_compiling():  # compiled: the partitioner recomputes, from the same policy
-            if not selective:
+            if not settings.selective:
                 return checkpoint(run, *args, use_reentrant=False, **kwargs)
-            policy = functools.partial(create_selective_checkpoint_contexts, keep_expensive_ops)
-            return checkpoint(run, *args, use_reentrant=False, context_fn=policy, **kwargs)
+            half = settings.mode == ActivationCheckpointing.selective_half
+            contexts = half_contexts if half else selective_contexts
+            return checkpoint(run, *args, use_reentrant=False, context_fn=contexts, **kwargs)
         measuring = meter is not None and meter.measuring
         return checkpoint(
             run,
             *args,
             use_reentrant=False,
-            context_fn=functools.partial(_contexts, self, selective, meter),
+            context_fn=functools.partial(_contexts, self, settings),
             # Recompute the whole block while measuring, so the tensors it made are done with at its end.
             early_stop=not measuring,
             **_RESPECT_HOOKS,
@@ -164,16 +179,40 @@ def keep_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoi
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# What compiled code checkpoints with (the compiler takes a context function defined at module level).
+def selective_contexts() -> Any:
+    return create_selective_checkpoint_contexts(keep_expensive_ops)
+
+
+def half_contexts() -> Any:
+    return create_selective_checkpoint_contexts(half_of_matmuls())
+
+
+def half_of_matmuls() -> Any:
+    """selective_half's policy for one checkpointed call: selective's, but every second matrix product
+    (counted apart in the forward and in the recomputation, which must decide alike) recomputed."""
+    seen = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in HALVED_OPS:
+            seen[ctx.is_recompute] += 1
+            kept = seen[ctx.is_recompute] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+        return keep_expensive_ops(ctx, op, *args, **kwargs)
+
+    return policy
+
+
 def _contexts(
-    block: nn.Module, selective: bool, meter: ActivationMeter | None
+    block: nn.Module, settings: _Settings
 ) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
     """torch.utils.checkpoint's context_fn: (around the forward, around the recomputation)."""
     forward, recompute = (
-        create_selective_checkpoint_contexts(keep_expensive_ops)
-        if selective
+        create_selective_checkpoint_contexts(settings.policy())
+        if settings.selective
         else (contextlib.nullcontext(), contextlib.nullcontext())
     )
-    return forward, _recomputation(block, recompute, meter)
+    return forward, _recomputation(block, recompute, settings.meter)
 
 
 @contextlib.contextmanager

@@ -85,6 +85,8 @@ class ActivationCheckpointing(StrEnum):
     none = "none"  # keep every activation the backward needs
     full = "full"  # keep only each block's input; recompute the block during the backward
     selective = "selective"  # keep the outputs of matmuls, convolutions and attention; recompute the rest
+    # as selective, but every second matmul of a block recomputed too (torchtitan's op-level policy)
+    selective_half = "selective_half"
 
 
 class OnNonFinite(StrEnum):

@@ -22,6 +22,7 @@ from .conftest import TOLERANCE, made_once, metrics, run_here, weights
 from .user_models import tower
 
 MODES = list(ActivationCheckpointing)
+SELECTIVE = [ActivationCheckpointing.selective, ActivationCheckpointing.selective_half]
 STRATEGIES = ["single", "ddp", "fsdp", "zero", "pipeline", "ddp_mp"]
 # Six equal blocks with BatchNorm (its running statistics must be updated once per step, not again
 # when a block recomputes) on small synthetic images: the bytes of the blocks dominate.
@@ -266,7 +267,7 @@ def test_checkpointing_composes_with_compile(ac_sweep: Path, tmp_path: Path):
 
 
 @pytest.mark.parametrize("form", ["gpt2", "llama"])
-@pytest.mark.parametrize("mode", [ActivationCheckpointing.full, ActivationCheckpointing.selective])
+@pytest.mark.parametrize("mode", [ActivationCheckpointing.full, *SELECTIVE])
 def test_the_transformer_checkpoints_its_blocks_with_the_same_gradients_and_fewer_bytes(form, mode):
     """The GPT's blocks (its shard_units) checkpointed: one step's gradients as without it, and fewer
     bytes held for the backward (bytes, measured: not time)."""
@@ -292,3 +293,37 @@ def test_the_transformer_checkpoints_its_blocks_with_the_same_gradients_and_fewe
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
     bound = 0.5 if mode == ActivationCheckpointing.full else 0.9
     assert held["checkpointed"] < bound * held["plain"], held
+
+
+@pytest.mark.parametrize("form", ["gpt2", "llama"])
+def test_selective_half_keeps_every_second_matmul_of_what_selective_keeps(form):
+    """torchtitan's op policy: of a block's matrix products the first, third... are kept, the others
+    recomputed: the saved bytes fall from selective's by about those products' outputs, and the
+    gradients are unchanged."""
+    from ddpexp.models.gpt import gpt
+
+    llama = {"norm": "rmsnorm", "pos_embedding": "rope", "mlp": "swiglu", "bias": False, "n_kv_head": 2}
+    ids = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(1))
+    held, grads = {}, {}
+    for mode in (ActivationCheckpointing.none, *SELECTIVE):
+        torch.manual_seed(0)
+        model = gpt(
+            vocab_size=256,
+            input_shape=[64],
+            n_layer=2,
+            n_head=4,
+            dim=64,
+            **(llama if form == "llama" else {}),
+        )
+        ac.apply(model, mode)
+        meter = ActivationMeter()
+        with meter.measure(model):
+            logits = model(ids[:, :-1])
+            nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        held[mode] = meter.peak_bytes
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    assert (
+        held[ActivationCheckpointing.selective_half] < held[ActivationCheckpointing.selective] < held["none"]
+    )
+    for a, b in zip(grads["none"], grads[ActivationCheckpointing.selective_half], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
