@@ -140,18 +140,30 @@ class StageChain(nn.Module):
 
 
 def group(stages: list[nn.Module], k: int) -> list[nn.Module]:
-    """K consecutive groups of stages, balanced by parameter count (each group at least one stage)."""
+    """K consecutive groups of stages, each at least one, whose largest holds the fewest parameters
+    (the linear partition, exact): a model of equal blocks gets as many blocks in each group as they
+    divide into, as Megatron-LM splits layers, whatever its embeddings weigh."""
     sizes = [sum(p.numel() for p in s.parameters()) for s in stages]
-    total = sum(sizes) or 1
-    bounds: list[int] = []
-    acc = 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        remaining_groups = k - 1 - len(bounds)
-        must_cut = len(stages) - (i + 1) == remaining_groups  # as many stages left as groups to fill
-        if remaining_groups > 0 and (acc >= total * (len(bounds) + 1) / k or must_cut):
-            bounds.append(i + 1)
-    edges = [0, *bounds, len(stages)]
+    n = len(stages)
+    k = max(1, min(k, n))
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    # best[j][i]: the smallest largest group splitting the first i stages into j groups; cut: where
+    # its last group starts.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for start in range(j - 1, i):
+                load = max(best[j - 1][start], prefix[i] - prefix[start])
+                if load < best[j][i]:
+                    best[j][i], cut[j][i] = load, start
+    edges, i = [n], n
+    for j in range(k, 0, -1):
+        i = cut[j][i]
+        edges.append(i)
+    edges.reverse()
     return [nn.Sequential(*stages[a:b]) for a, b in itertools.pairwise(edges)]
 
 
