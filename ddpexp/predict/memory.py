@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +49,7 @@ from torch import nn
 
 from ..memory import ActivationMeter, LiveBytes
 from ..strategies.comm import Held
+from .ops import Work
 
 MB = 2**20
 
@@ -112,12 +112,24 @@ class RankMemory:
     copies: float
     in_step: float  # the parameters alive at the step's peak (more than `params` where FSDP keeps them)
     transient: float = 0.0
+    work: Work | None = None  # one micro-batch's ops (predict(trace=True))
+    buffers: float = 0.0  # the strategy's, inside a step (FSDP's gathered units, reduce-scatter buffers)
+    samples: float = 0.0  # in one micro-batch's forward
+    slots: float = 1.0  # micro-batch slots its critical path takes per micro-batch (a pipeline's bubble)
 
     @property
     def peak(self) -> float:
         """Everything at once at the step's peak: the states, the activations, the backward's
         temporaries and the copies."""
-        return self.in_step + self.grads + self.optim_state + self.activations + self.transient + self.copies
+        return (
+            self.in_step
+            + self.grads
+            + self.optim_state
+            + self.activations
+            + self.transient
+            + self.copies
+            + self.buffers
+        )
 
     def mb(self) -> dict[str, float]:
         """In the units and names of a run's memory_per_rank."""
@@ -129,98 +141,359 @@ class RankMemory:
         }
 
 
-def predict(cfg: Any, *, world: int, global_batch: int, strategy: Any = None) -> list[RankMemory]:
+def predict(
+    cfg: Any,
+    *,
+    world: int,
+    global_batch: int,
+    strategy: Any = None,
+    trace: bool = False,
+    extrapolate: bool = False,
+    nodes: int = 1,
+    cache: dict[Any, Run] | None = None,
+    model: nn.Module | None = None,
+) -> list[RankMemory]:
     """Bytes per rank of the run `cfg` (a composed config, or a run's config.yaml) at `world` ranks and
-    `global_batch` samples per optimizer step; `strategy`: a resolved strategy instead of cfg's."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    `global_batch` samples per optimizer step; `strategy`: a resolved strategy instead of cfg's.
+    `trace`: each rank's ops too (`RankMemory.work`). `extrapolate`: a model of identical blocks
+    (model.n_layer) whose ranks each run it whole is run with 2 and 3 blocks, and every count
+    extended along the line through the two (exact where each block adds the same: the saved
+    activations, each op; tests/test_memory_model.py checks it against the whole model's run).
+    `cache`: runs kept across calls (a planner predicting many layouts of one job), by what decides
+    them: the model, its checkpointing and precision, and each rank's part, split, batch and dtype.
+    `model`: the model on the meta device to take what each rank holds from (runs then build their
+    own), where the caller has built it already."""
+    from omegaconf import OmegaConf
 
-    from .. import activation_checkpointing, models, strategies, tasks
-    from ..config import ActivationCheckpointing, Precision
+    from .. import strategies
+    from ..config import Precision
     from ..data import build_source
-    from ..engine import AUTOCAST
     from ..strategies.comm import Workload
 
     info = build_source(cfg.data).info()
     strategy = strategy or strategies.resolve(cfg.strategy)
-    task = tasks.build(cfg.task)
     states = optimizer_states(cfg.optim)
-    meter = ActivationMeter()  # the one checkpointed blocks report their recomputations to
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    dtype = AUTOCAST[Precision.of(cfg.trainer.precision)]
-    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
-
-    def build() -> nn.Module:
-        with mode:
-            model = models.build(cfg.model, info)
-        activation_checkpointing.apply(
-            model, ActivationCheckpointing(cfg.trainer.activation_checkpointing), meter=meter
-        )
-        return model
-
-    model = build()
+    runner = _Runner(cfg, info, trace=trace)
+    on_meta = model is not None
+    if model is None:
+        model = runner.build()
     job = Workload(
         model=model,
         devices=world,
         world=world,
-        nodes=1,
+        nodes=nodes,
         global_batch=global_batch,
         accumulate=int(cfg.trainer.accumulate),
         input_shape=tuple(info.input_shape),
         input_dtype=torch.long if info.vocab_size is not None else torch.float32,
+        precision=Precision.of(cfg.trainer.precision).name,
     )
     held = strategy.held(job=job)
-    runs: dict[tuple[Any, ...], tuple[float, float]] = {}
-    out = []
     # Split copies run as rank 0 of a fake group: a rank's place on the mesh changes only which chunk of
     # an uneven split it holds.
     if any(h.split is not None for h in held):
         _fake_process_group(world)
+    blocks = _blocks(cfg) if extrapolate and all(h.chain is None for h in held) else None
+    runs: dict[Any, Run] = {} if cache is None else cache
+    common = (
+        OmegaConf.to_yaml(cfg.model),
+        str(cfg.trainer.activation_checkpointing),
+        job.precision,
+        str(cfg.task.get("name") if hasattr(cfg.task, "get") else cfg.task),
+        job.input_shape,
+        blocks,
+        trace,
+    )
+    out = []
     for rank, h in enumerate(held):
-        key = (None if h.chain is None else tuple(map(id, h.chain)), h.samples, h.loss, h.split is None)
+        key = (common, runner.key(h))
         if key not in runs:
-            if h.split is None:
-                runs[key] = _activations(model, h.chain, info, task, (mode, autocast), meter, h)
-            else:  # on a copy split as the rank splits it
-                split = build()
-                h.split(split)
-                chain = strategy.held(job=dataclasses.replace(job, model=split))[rank].chain
-                runs[key] = _activations(split, chain, info, task, (mode, autocast), meter, h)
+            if blocks is None:
+                runs[key] = runner.run(strategy, job, rank, h, None if on_meta else model)
+            else:
+                two, three = (runner.run(strategy, job, rank, h, None, layers=k) for k in (2, 3))
+                runs[key] = two.extended(three, blocks)
+        run = runs[key]
         out.append(
             RankMemory(
                 rank,
                 float(h.params),
                 float(h.grads),
                 float(h.optimized * states),
-                runs[key][0] * h.in_flight,
+                run.saved * h.in_flight,
                 float(h.copies),
                 float(h.params if h.in_step is None else h.in_step),
-                runs[key][1],
+                run.transient,
+                run.work,
+                float(h.buffers),
+                float(h.samples),
+                float(h.slots),
             )
         )
     return out
+
+
+def _blocks(cfg: Any) -> int | None:
+    """The model's block count where it has one (model.n_layer) worth extrapolating from 2 and 3."""
+    layers = cfg.model.get("n_layer") if hasattr(cfg.model, "get") else None
+    return int(layers) if isinstance(layers, int) and layers > 3 else None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one micro-batch's forward and backward of a rank holds (`saved` for the backward, and
+    `transient` beyond that at its peak) and computes (`work`)."""
+
+    saved: float
+    transient: float
+    work: Work | None = None
+
+    def extended(self, three: Run, blocks: int) -> Run:
+        """This run (of two blocks) and `three` (of three) extended to `blocks` along their line: the
+        third block is one of the middle, as every block but the first and the last is."""
+        a, b = float(3 - blocks), float(blocks - 2)
+        two = three
+        work = None
+        if self.work is not None and two.work is not None:
+            work = Work(
+                tuple((t, w * a) for t, w in self.work.parts) + tuple((t, w * b) for t, w in two.work.parts)
+            )
+        return Run(
+            max(0.0, a * self.saved + b * two.saved), max(0.0, a * self.transient + b * two.transient), work
+        )
+
+
+class _Runner:
+    """Builds the model on fake tensors and runs a rank's micro-batch on it; what a chain of stages
+    hands on is computed once per part (`_inputs`), and ranks whose own part has the same structure
+    (a pipeline's middle stages) are run once."""
+
+    def __init__(self, cfg: Any, info: Any, *, trace: bool) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from .. import tasks
+        from ..config import Precision
+        from ..engine import AUTOCAST
+
+        self.cfg, self.info, self.trace = cfg, info, trace
+        self.task = tasks.build(cfg.task)
+        self.meter = ActivationMeter()  # the one checkpointed blocks report their recomputations to
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.autocast_dtype = AUTOCAST[Precision.of(cfg.trainer.precision)]
+        self._inputs: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._models: dict[tuple[Any, ...], tuple[nn.Module, list[Held]]] = {}
+        self._by_structure: dict[tuple[Any, ...], Run] = {}
+
+    def build(self, *, layers: int | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+        from omegaconf import OmegaConf
+
+        from .. import activation_checkpointing, models
+        from ..config import ActivationCheckpointing
+
+        spec: Any = self.cfg.model if layers is None else OmegaConf.merge(self.cfg.model, {"n_layer": layers})
+        before = torch.get_default_dtype()
+        try:
+            if dtype is not None:  # FSDP's policy computes with parameters of this dtype
+                torch.set_default_dtype(dtype)
+            with self.mode:
+                model = models.build(spec, self.info)
+        finally:
+            torch.set_default_dtype(before)
+        activation_checkpointing.apply(
+            model, ActivationCheckpointing(self.cfg.trainer.activation_checkpointing), meter=self.meter
+        )
+        return model
+
+    def key(self, h: Held) -> tuple[Any, ...]:
+        """What decides a rank's run besides the model: its parts (their structure), split, batch,
+        loss and dtype."""
+        chain = None if h.chain is None else tuple(_structure(part) for part in h.chain)
+        split = None if h.split is None else (h.split_key if h.split_key is not None else id(h.split))
+        return (chain, h.samples, h.loss, split, bool(h.loss_context), h.param_dtype)
+
+    def run(
+        self,
+        strategy: Any,
+        job: Any,
+        rank: int,
+        h: Held,
+        model: nn.Module | None,
+        *,
+        layers: int | None = None,
+    ) -> Run:
+        """Rank `rank`'s micro-batch: on `model` where it runs the model as built and stored, else on a
+        copy built for it (of `layers` blocks; split as the rank splits it; in its compute dtype)."""
+        chain = h.chain
+        if model is None or h.split is not None or h.param_dtype is not None:
+            split = None if h.split is None else (h.split_key if h.split_key is not None else id(h.split))
+            built = (layers, h.param_dtype, split)
+            if built not in self._models:  # one copy of each kind, whichever ranks run it
+                copy = self.build(layers=layers, dtype=h.param_dtype)
+                if h.split is not None:
+                    h.split(copy)
+                self._models[built] = (copy, strategy.held(job=dataclasses.replace(job, model=copy)))
+            model, held = self._models[built]
+            chain = held[rank].chain
+        parts = (model,) if chain is None else chain
+        if not parts or round(h.samples) < 1:
+            return Run(0.0, 0.0, Work(()) if self.trace else None)
+        x = self._input(parts[:-1], round(h.samples), h.param_dtype)
+        same = (
+            _structure(parts[-1]),
+            tuple(x.shape),
+            x.dtype,
+            h.samples,
+            h.loss,
+            h.split is None,
+            h.param_dtype,
+        )
+        if chain is not None and same in self._by_structure:
+            return self._by_structure[same]
+        run = self._stage(parts[-1], x, h) if chain is not None else self._activations(parts[-1], x, h)
+        if chain is not None:
+            self._by_structure[same] = run
+        return run
+
+    def _stage(self, own: nn.Module, x: torch.Tensor, h: Held) -> Run:
+        """A pipeline stage's micro-batch. A stage of many identical blocks (a run of 4 or more alike
+        children, each handing on a tensor of the shape it took) is run with 2 and with 3 of them and
+        extended to all, as `predict(extrapolate=True)` extends a whole model."""
+        kids = list(own.children()) if isinstance(own, nn.Sequential) else []
+        start, length = _longest_alike(kids)
+        if length < 4:
+            return self._activations(own, x, h)
+        prefix, suffix = kids[:start], kids[start + length :]
+        two, three = (
+            self._activations(nn.Sequential(*prefix, *kids[start : start + k], *suffix), x, h) for k in (2, 3)
+        )
+        return two.extended(three, length)
+
+    def _autocast(self, h: Held) -> Any:
+        if self.autocast_dtype is None or h.param_dtype is not None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast_dtype)
+
+    def _input(self, before: tuple[nn.Module, ...], batch: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """What the parts before a rank's own hand it for a micro-batch of `batch` samples (the model's
+        input where there are none), each part run once whichever stage's chain it is in."""
+        info = self.info
+        with self.mode:
+            if info.vocab_size is not None:
+                x = torch.zeros((batch, *info.input_shape), dtype=torch.long)
+            else:
+                x = torch.zeros((batch, *info.input_shape))
+        for i, part in enumerate(before):
+            key = (tuple(map(id, before[: i + 1])), batch, dtype)
+            if key not in self._inputs:
+                with torch.no_grad(), self._autocast(Held(0, 0, 0, param_dtype=dtype)):
+                    self._inputs[key] = _handed_on(part, x)
+            x = self._inputs[key]
+        if before:
+            x = x.detach().requires_grad_(x.is_floating_point())
+        return x
+
+    def _activations(self, own: nn.Module, x: torch.Tensor, h: Held) -> Run:
+        """Peak bytes held for the backward in one micro-batch's forward and backward of `own` from
+        input `x` (`meter`'s count), what that forward and backward holds beyond them at its own peak
+        (LiveBytes: activations and temporaries, not the model's tensors nor the gradients of its
+        parameters, which are their own categories), and with `trace` its ops."""
+        from .ops import OpTracer
+
+        batch = x.shape[0]
+        tracer = OpTracer() if self.trace else None
+
+        def phase(name: str) -> contextlib.AbstractContextManager[Any]:
+            return tracer.phase(name) if tracer is not None else contextlib.nullcontext()
+
+        traced = tracer if tracer is not None else contextlib.nullcontext()
+        with traced, self.meter.measure(own), LiveBytes(own) as live:
+            context = h.loss_context() if h.loss and h.loss_context else contextlib.nullcontext()
+            with context:
+                with self._autocast(h), phase("forward"):
+                    out = own(x)
+                with phase("forward"):
+                    loss = self.task.loss(out, _targets(self.info, out, batch)) if h.loss else None
+                with phase("backward"):
+                    if loss is not None:
+                        loss.backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+        saved = float(self.meter.peak_bytes or 0)
+        work = Work(((tracer.trace, 1.0),)) if tracer is not None else None
+        return Run(saved, max(0.0, live.peak - saved), work)
+
+
+def _handed_on(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What `part` hands on from `x`, on fake tensors: only shapes and dtypes matter, so of consecutive
+    alike children of a Sequential that keep the shape they are given only the first is run."""
+    if not isinstance(part, nn.Sequential):
+        return part(x)
+    before: tuple[Any, ...] | None = None
+    for child in part:
+        shape = _structure(child)
+        if shape == before and x is not None:
+            continue  # as the child before: the same shape out as in
+        out = child(x)
+        kept = isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype
+        before = shape if kept else None
+        x = out
+    return x
+
+
+def _longest_alike(kids: list[nn.Module]) -> tuple[int, int]:
+    """(start, length) of the longest run of consecutive modules of one structure."""
+    best, start = (0, 0), 0
+    shapes = [_structure(k) for k in kids]
+    for i in range(1, len(kids) + 1):
+        if i == len(kids) or shapes[i] != shapes[start]:
+            if i - start > best[1]:
+                best = (start, i - start)
+            start = i
+    return best
+
+
+def _structure(part: nn.Module) -> tuple[Any, ...]:
+    """What makes two parts compute alike: their modules' types and parameters' shapes and dtypes
+    (kept on the module: a planner asks for thousands of ranks' parts)."""
+    known = part.__dict__.get("_ddpexp_structure")
+    if known is None:
+        known = part.__dict__["_ddpexp_structure"] = _structure_of(part)
+    return known
+
+
+def _structure_of(part: nn.Module) -> tuple[Any, ...]:
+    return tuple(
+        (type(m).__name__, tuple((tuple(p.shape), p.dtype) for p in m.parameters(recurse=False)))
+        for m in part.modules()
+    )
 
 
 _fake_world: int | None = None  # the world size of the fake process group this process keeps
 
 
 def _fake_process_group(world: int) -> None:
-    """A process group of `world` ranks, this process rank 0, whose collectives do nothing (torch's
-    fake backend, which torchtitan's memory estimation uses too): enough for DTensor on fake tensors.
-    Kept for the rest of the process: DTensor caches what it plans by device mesh, and a mesh of a
-    destroyed group would be found there again; a new size replaces it, those caches cleared."""
+    """A process group of at least `world` ranks, this process rank 0, whose collectives do nothing
+    (torch's fake backend, which torchtitan's memory estimation uses too): enough for DTensor on fake
+    tensors, a mesh of `world` ranks taking the first of them. Kept for the rest of the process, and
+    made large once: DTensor caches what it plans by device mesh, and a mesh of a destroyed group
+    found there again fails; a larger size than it holds replaces it, those caches cleared."""
     global _fake_world
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if _fake_world == world:
+    if _fake_world is not None and _fake_world >= world:
         return
     if dist.is_initialized():
         if _fake_world is None:
             raise RuntimeError("memory is predicted outside a distributed run (a process group is in force)")
         dist.destroy_process_group()
         _clear_dtensor_caches()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    _fake_world = world
+    size = max(world, FAKE_WORLD)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    _fake_world = size
+
+
+FAKE_WORLD = 1 << 16  # ranks of the fake process group: more than any cluster planned
 
 
 def _clear_dtensor_caches() -> None:
@@ -231,49 +504,6 @@ def _clear_dtensor_caches() -> None:
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     clear_redistribute_planner_cache()
-
-
-def _activations(
-    model: nn.Module,
-    chain: tuple[nn.Module, ...] | None,
-    info: Any,
-    task: Any,
-    contexts: tuple[Any, Callable[[], Any]],
-    meter: ActivationMeter,
-    held: Held,
-) -> tuple[float, float]:
-    """Peak bytes held for the backward in one micro-batch's forward and backward of `chain` (parts of
-    `model`, run in turn, the last one the rank's own; None: the whole model), on fake tensors
-    (`meter`'s count), and what that forward and backward holds beyond them at its own peak
-    (LiveBytes: activations and temporaries, not the model's tensors nor the gradients of its
-    parameters, which are their own categories); `contexts`: the fake tensor mode, and the run's
-    autocast."""
-    mode, autocast = contexts
-    parts = (model,) if chain is None else chain
-    batch = round(held.samples)
-    if not parts or batch < 1:
-        return 0.0, 0.0
-    with mode:
-        if info.vocab_size is not None:
-            x = torch.zeros((batch, *info.input_shape), dtype=torch.long)
-        else:
-            x = torch.zeros((batch, *info.input_shape))
-        with torch.no_grad(), autocast():
-            for part in parts[:-1]:
-                x = part(x)
-        if len(parts) > 1:
-            x = x.detach().requires_grad_(x.is_floating_point())
-        own = parts[-1]
-        with meter.measure(own), LiveBytes(own) as live:
-            with autocast():
-                out = own(x)
-            if held.loss:
-                with held.loss_context() if held.loss_context else contextlib.nullcontext():
-                    task.loss(out, _targets(info, out, batch)).backward()
-            else:
-                out.backward(torch.ones_like(out))
-    saved = float(meter.peak_bytes or 0)
-    return saved, max(0.0, live.peak - saved)
 
 
 def _targets(info: Any, out: torch.Tensor, batch: int) -> torch.Tensor:
@@ -303,11 +533,21 @@ def predict_run(run: Any) -> list[RankMemory]:
 
 def table(ranks: list[RankMemory]) -> str:
     """One line per rank, MB per category and the peak (the parameters as they are at the step's peak,
-    everything else, and the backward's temporaries)."""
-    head = ["rank", "params", "grads", "optimizer", "activations", "temporaries", "copies", "peak MB"]
+    everything else, the backward's temporaries and the strategy's buffers)."""
+    head = [
+        "rank",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "temporaries",
+        "copies",
+        "buffers",
+        "peak MB",
+    ]
     lines = []
     for r in ranks:
-        cells = [r.params, r.grads, r.optim_state, r.activations, r.transient, r.copies, r.peak]
+        cells = [r.params, r.grads, r.optim_state, r.activations, r.transient, r.copies, r.buffers, r.peak]
         lines.append([str(r.rank), *(f"{c / MB:,.3f}" for c in cells)])
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     return "\n".join(

@@ -217,7 +217,12 @@ def stage_held(
     in_flight = microbatches if schedule == Schedule("gpipe") else min(microbatches, len(parts) - stage)
     last = stage == len(parts) - 1
     return Held.replica(
-        parts[stage], samples, chain=tuple(parts[: stage + 1]), in_flight=in_flight, loss=last
+        parts[stage],
+        samples,
+        chain=tuple(parts[: stage + 1]),
+        in_flight=in_flight,
+        loss=last,
+        slots=schedule_slots(microbatches, len(parts)),
     )
 
 
