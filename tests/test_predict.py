@@ -17,7 +17,7 @@ from ddpexp import predict, strategies
 from ddpexp.commbench import bus_factor
 from ddpexp.models.convnet import convnet
 from ddpexp.predict import Predictor, interconnect
-from ddpexp.predict.interconnect import Link, collective_time, hops
+from ddpexp.predict.interconnect import Link, collective_time, fabric, hops
 from ddpexp.predict.model import hidden_s
 from ddpexp.strategies.comm import COLLECTIVE_OPS, Collective, Overlap, Workload
 
@@ -397,7 +397,9 @@ def test_predictions_are_monotone_and_bounded(tmp_path: Path, name: str, device_
         for p in points:
             assert 0 < p.efficiency <= 1 + 1e-12, (p.devices, p.efficiency)
             assert p.step_s >= p.compute_s > 0 and 0 <= p.exposed_s <= p.comm_s
-        if name != "ps":  # a ring: more ranks never send less per link (activations, per rank, shrink)
+        # A ring in a node: more ranks never send less per link (activations, per rank, shrink).
+        # Across nodes more ranks a node also mean more adapters at once (test_rails_...).
+        if name != "ps" and nodes == 1:
             comms = [sum(t for c, t in p.timed if c.op != "sendrecv") for p in points]
             assert comms == sorted(comms), comms
     one = predictor.point(4, 1)
@@ -540,3 +542,20 @@ def test_a_run_of_the_strategy_at_one_size_calibrates_the_others(
     assert "global batch is 96" in _refused(
         capsys, *argv, "--calibrate", str(make_run(other, strategy="fsdp", devices=2, batch=96))
     )
+
+
+def test_a_ring_across_nodes_moves_as_many_adapters_bytes_as_it_has_ranks_on_a_node():
+    """Rail-optimised nodes (an adapter per device, conf/interconnect per_device: true): a ring of k
+    ranks a node crosses between nodes on k adapters at once, so its bandwidth is k adapters' (as
+    nccl-tests' bus bandwidth between 8-GPU nodes is 8 adapters'), never above the links inside a node;
+    a shared adapter (Ethernet's) moves one's whatever k is."""
+    def seconds(interconnect: str, per_node: int) -> float:
+        c = Collective("x", "all_gather", 8e9, 16, inter_node=True, per_node=per_node)
+        return fabric(interconnect).time_s(c) - fabric(interconnect).time_s(
+            Collective("x", "all_gather", 0.0, 16, inter_node=True, per_node=per_node)
+        )
+
+    assert seconds("nvlink4,ib400", 1) == pytest.approx(4 * seconds("nvlink4,ib400", 4))
+    # 8 adapters of 45 GB/s (ib400 x 0.9) would be 360; NVLink 4's 360 GB/s (450 x 0.8) bounds it.
+    assert seconds("nvlink4,ib400", 8) == pytest.approx(seconds("nvlink4,ib400", 16))
+    assert seconds("pcie4,eth25", 1) == pytest.approx(seconds("pcie4,eth25", 4))

@@ -95,6 +95,9 @@ class Fabric:
     stretch: dict[int, Stretch] = field(default_factory=dict)
     after: dict[int, tuple[AfterCompute, ...]] = field(default_factory=dict)  # by burst length
     waits: tuple[AfterCompute, ...] = ()  # this count's
+    # Whether each device has a network adapter of its own (rail-optimised GPU nodes): a ring crossing
+    # nodes then moves as many adapters' bytes at once as the group has ranks on a node.
+    rails: bool = False
 
     def at(self, processes: int) -> Fabric:
         """This fabric for `processes` processes per node: the intra-node links measured at that count,
@@ -152,7 +155,13 @@ class Fabric:
                 fix="add an inter-node profile, e.g. --interconnect nvlink4,ib400 (or a commbench "
                 "measured over several nodes)",
             )
-        return collective_time(c, links.get(c.op) or links["all_reduce"])
+        link = links.get(c.op) or links["all_reduce"]
+        if c.inter_node and self.rails and c.per_node > 1:
+            # k rings at once, each across its own adapter, none faster than the links inside a node.
+            inside = self.intra.get(c.op) or self.intra["all_reduce"]
+            beta = max(link.beta_s_per_byte / c.per_node, inside.beta_s_per_byte)
+            link = Link(link.alpha_s, beta)
+        return collective_time(c, link)
 
 
 # ------------------------------------------------------------------------------------------ fabrics
@@ -169,6 +178,7 @@ class Profile:
     link: Link
     about: str  # the file's first comment line
     efficiency: float
+    per_device: bool = False  # an adapter per device (between nodes): see Fabric.rails
 
 
 def load_profile(name: str) -> Profile:
@@ -199,7 +209,8 @@ def load_profile(name: str) -> Profile:
             fix=f"scope is one of {', '.join(PROFILE_SCOPES)}; efficiency in (0, 1]",
         )
     first = text.splitlines()[0] if text else ""
-    return Profile(path.stem, scope, link, first.lstrip("# ").strip(), efficiency)
+    per_device = bool(spec.get("per_device", False))
+    return Profile(path.stem, scope, link, first.lstrip("# ").strip(), efficiency, per_device)
 
 
 def read_commbench(path: Path) -> tuple[dict[str, Link], dict[str, Any], AfterCompute | None]:
@@ -315,6 +326,7 @@ def fabric(
             inter = links
         names.append(f"commbench {bench.name}")
     only_inter: list[dict[str, Link]] = []
+    rails = False
     for name in [n.strip() for n in (interconnect or "").split(",") if n.strip()]:
         profile = load_profile(name)
         same = dict.fromkeys(COLLECTIVE_OPS, profile.link)
@@ -323,6 +335,7 @@ def fabric(
             intra, used = same, [*used, "intra"]
         if inter is None and profile.scope in ("inter", "both"):
             inter, used = same, [*used, "inter"]
+            rails = profile.per_device
         if profile.scope == "inter":
             only_inter.append(same)
         notes.append(
@@ -338,5 +351,5 @@ def fabric(
     assert intra is not None
     by_burst = {w: tuple(sorted(ms, key=lambda m: m.burst_s)) for w, ms in after.items()}
     stretch = {w: ms[-1].stretch for w, ms in by_burst.items()}  # the longest burst's: least disturbed
-    fabric = Fabric("+".join(names), intra, inter, tuple(notes), per_node, stretch, by_burst)
+    fabric = Fabric("+".join(names), intra, inter, tuple(notes), per_node, stretch, by_burst, rails=rails)
     return fabric.at(next(iter(per_node))) if per_node else fabric
