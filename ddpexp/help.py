@@ -9,8 +9,8 @@ from pathlib import Path
 # Listed first, in this order; any other group folder in conf/ (except hydra) follows alphabetically.
 PREFERRED = ("strategy", "model", "data", "optim")
 # conf/ folders of profiles, not training config groups: ddpexp-predict's interconnects, ddpexp plan's
-# clusters.
-PROFILE_FOLDERS = ("interconnect", "cluster")
+# clusters and their devices.
+PROFILE_FOLDERS = ("interconnect", "cluster", "devices")
 NOT_GROUPS = ("hydra", "__pycache__", *PROFILE_FOLDERS)
 
 USAGE = """\

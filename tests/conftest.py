@@ -46,6 +46,7 @@ FILE_SECONDS = {
     "test_nd": 240,  # with test_fsdp, test_pipeline, test_compare beside it (-n 2), 2026-11-26, load 2
     "test_gpt_parity": 182,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by others (load 6)
     "test_docs": 122,  # measured alone (-p no:xdist) on 2026-11-25, the VM loaded by other runs (load 5)
+    "test_published_record": 150,  # every row predicted again: about 110 s alone, 2026-11-28
     "test_faults": 108,
     "test_runs": 87,
     "test_faults_restarts": 85,

@@ -20,6 +20,7 @@ from ddpexp.plan import HostFacts
 from ddpexp.validate import plan
 
 from .fake_data import WRITERS
+from .test_gpt_model import PUBLISHED
 
 GROUPS = sorted(  # profiles (ddpexp-predict's interconnects, ddpexp plan's clusters) are no config group
     p.name
@@ -31,7 +32,7 @@ TEXT_MODELS = {"gcnn", "embbag"}
 TOKEN_DATA = {"python_stdlib", "synthetic_tokens", "text_files"}  # task=lm's
 # The published shapes are built on the meta device, as pre-flight and ddpexp-predict build them.
 GPT_MODELS = {"gpt", "gpt_tiny", "gpt_small"}
-PUBLISHED_SHAPES = {"gpt2_124m", "llama3_2_1b", "llama3_1_8b"}
+PUBLISHED_SHAPES = set(PUBLISHED)
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 
 

@@ -30,7 +30,14 @@ pytestmark = pytest.mark.usefixtures("hydra_conf")
 BYTES = DataInfo(num_classes=256, input_shape=(64,), vocab_size=256)  # what a byte-level corpus gives
 LLAMA_FORM = ["model.norm=rmsnorm", "model.pos_embedding=rope", "model.mlp=swiglu", "model.bias=false"]
 FORMS = {"gpt2": [], "llama": [*LLAMA_FORM, "model.n_kv_head=2"]}
-PUBLISHED = {"gpt2_124m": 124_439_808, "llama3_2_1b": 1_235_814_400, "llama3_1_8b": 8_030_261_248}
+# The published shapes and their parameter counts (the model cards'): built on the meta device only.
+PUBLISHED = {
+    "gpt2_124m": 124_439_808,
+    "llama3_2_1b": 1_235_814_400,
+    "llama3_1_8b": 8_030_261_248,
+    "llama3_70b": 70_553_706_496,
+    "llama3_1_405b": 405_853_388_800,
+}
 
 
 def config(*overrides: str) -> Any:

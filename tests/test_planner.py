@@ -29,11 +29,13 @@ def plan(tmp_path: Path, *args: str):
 def test_a_plan_ranks_every_strategy_and_mesh_by_cost_with_time_and_cost_to_the_target(tmp_path: Path):
     result = plan(tmp_path, "--cluster", "8xh100_sxm", "--tokens", "1e9", "--format", "json")
     assert result.returncode == 0, result
-    plans = json.loads(result.stdout)["plans"]
-    labels = [p["plan"] for p in plans]
+    out = json.loads(result.stdout)
+    assert out["timing"] == "step time from the per-op model"
+    plans = out["plans"]
+    meshes = [p["mesh"] for p in plans]
     # the data-parallel strategies, nd's meshes (tp within the node, pipeline stages) and pipeline's
-    assert {"ddp", "zero", "fsdp", "fsdp_no_reshard", "nd fsdp4 x tp2 sp lp", "nd pp2 x fsdp4"} <= set(labels)
-    assert any(label.startswith("pipeline 2 stages") for label in labels)
+    assert {"ddp", "zero", "fsdp", "nd fsdp4 x tp2 sp lp", "nd pp2 x fsdp4"} <= set(meshes)
+    assert any(m.startswith("pipeline 2 stages") for m in meshes)
     fitting = [p for p in plans if p["fits"]]
     assert fitting and [p["cost_usd"] for p in fitting] == sorted(p["cost_usd"] for p in fitting)
     for p in fitting:
@@ -42,11 +44,119 @@ def test_a_plan_ranks_every_strategy_and_mesh_by_cost_with_time_and_cost_to_the_
         assert p["time_s"] == pytest.approx(p["steps"] * p["step_s"])
         assert p["cost_usd"] == pytest.approx(p["time_s"] / 3600 * 8 * 2.49)
         assert p["tokens_per_s"] == pytest.approx(tokens_per_step / p["step_s"])
-        assert 0 < p["mfu"] <= 0.4  # never above the achieved share the profile assumes
+        assert p["tokens_per_s_per_device"] == pytest.approx(p["tokens_per_s"] / 8)
+        assert p["step_s"] == pytest.approx(p["compute_s"] + p["exposed_comm_s"] + p["optimizer_s"])
+        assert 0 < p["mfu"] < 1
         assert p["peak_gib_per_rank"] * 2**30 <= (80 - 4) * 2**30
-    ddp, fsdp = (next(p for p in plans if p["plan"] == name) for name in ("ddp", "fsdp"))
+        assert p["peak_gib_per_rank"] == pytest.approx(sum(p["peak_gib_by_category"].values()))
+        # each plan's settings are in its overrides: a run with them trains what was priced
+        assert any(o.startswith("trainer.accumulate=") for o in p["overrides"])
+    ddp, fsdp = (next(p for p in plans if p["mesh"] == name) for name in ("ddp", "fsdp"))
     assert fsdp["peak_gib_per_rank"] < ddp["peak_gib_per_rank"]  # the states sharded 8 ways
-    assert fsdp["bytes_per_step_intra_node"] > ddp["bytes_per_step_intra_node"]  # gathered twice
+
+
+def test_the_search_tries_the_settings_practitioners_tune(tmp_path: Path):
+    """--all lists every layout tried: per mesh, activation checkpointing modes, micro-batches with
+    gradient accumulation, torch.compile, and for FSDP its resharding and its fp32 gather; when the
+    whole local batch does not fit in one micro-batch, the plan accumulates or checkpoints."""
+    args = ["--cluster", "8xh100_sxm", "--format", "json", "--all"]
+    # No data=: synthetic tokens at gpt2_124m's context, 1024; a local batch of 128 samples: 100+ GiB.
+    big = ["model=gpt2_124m", "optim=adamw", "trainer.precision=bf16", "task.loss_chunks=4"]
+    result = run_here(tmp_path, "plan", *big, "trainer.batch_size=1024", *args)
+    assert result.returncode == 0, result
+    tried = [p for p in json.loads(result.stdout)["plans"] if p["mesh"] == "fsdp"]
+    settings = [dict(o.split("=", 1) for o in p["overrides"]) for p in tried]
+    assert {s["trainer.compile"] for s in settings} == {"true", "false"}
+    assert {s["strategy.reshard_after_forward"] for s in settings} == {"true", "false"}
+    assert "fp32" in {s.get("strategy.mixed_precision") for s in settings}
+    assert len({s["trainer.activation_checkpointing"] for s in settings}) >= 2
+    assert len({s["trainer.accumulate"] for s in settings}) >= 2
+    fitting = [p for p in tried if p["fits"]]
+    assert fitting and any(p["micro_batch"] < 128 or "none" not in p["plan"] for p in fitting)
+    assert not all(p["fits"] for p in tried)  # the whole batch in one micro-batch does not fit
+
+
+def test_a_layout_given_on_the_command_line_is_planned_as_given(tmp_path: Path):
+    """strategy=... with its settings: one row, that layout, with its accumulation, checkpointing and
+    compile as given; the verdict says whether it fits."""
+    given = [
+        "strategy=nd",
+        "strategy.dp_shard=-1",
+        "strategy.tp=2",
+        "trainer.accumulate=2",
+        "trainer.activation_checkpointing=full",
+        "trainer.compile=true",
+    ]
+    result = plan(tmp_path, *given, "--cluster", "8xh100_sxm", "--format", "json")
+    assert result.returncode == 0, result
+    (row,) = json.loads(result.stdout)["plans"]
+    assert row["plan"].startswith("nd (mb 8 x2, full, compile)") and row["fits"]
+    assert {"strategy=nd", "strategy.tp=2", "trainer.accumulate=2", "trainer.compile=true"} <= set(
+        row["overrides"]
+    )
+    table = plan(tmp_path, *given, "--cluster", "8xh100_sxm").stdout
+    assert "The layout given fits: " in table and "Recommended" not in table
+
+
+def test_a_language_model_plans_without_data_on_synthetic_tokens_at_its_context(tmp_path: Path):
+    """No data=: synthetic tokens at the model's context (gpt2_124m's 1024), or --seq-len N; the plan's
+    command lines carry that data, so a run trains what was priced."""
+    base = ["model=gpt2_124m", "trainer.precision=bf16", "optim=adamw", "strategy=fsdp"]
+    result = run_here(tmp_path, "plan", *base, "--cluster", "8xh100_sxm", "--format", "json")
+    assert result.returncode == 0, result
+    assert json.loads(result.stdout)["seq_len"] == 1024
+    result = run_here(
+        tmp_path, "plan", *base, "--cluster", "8xh100_sxm", "--seq-len", "256", "--format", "json"
+    )
+    out = json.loads(result.stdout)
+    assert out["seq_len"] == 256 and out["plans"][0]["fits"]
+    refused = run_here(
+        tmp_path,
+        "plan",
+        *base,
+        "data=synthetic_tokens",
+        "task=lm",
+        "--cluster",
+        "8xh100_sxm",
+        "--seq-len",
+        "256",
+    )
+    assert refused.returncode == 2 and "--seq-len is for a model planned without data=" in refused.stderr
+
+
+def test_the_step_time_comes_from_the_device_s_figures_unless_an_mfu_is_given(tmp_path: Path):
+    """The per-op model: a device twice as fast at matmuls and memory halves a compute-bound step; an
+    MFU given (--mfu, or achieved_mfu in a profile) replaces it, and the header names it an override."""
+    root = Path(__file__).resolve().parent.parent / "conf"
+    profile = (root / "devices" / "h100_sxm.yaml").read_text().replace("launch_us: 57", "launch_us: 0")
+    fast = profile.replace("bandwidth_GBps: 3350", "bandwidth_GBps: 6700").replace(
+        "peak_tflops: {fp8: 1979, bf16: 989.5", "peak_tflops: {fp8: 3958, bf16: 1979"
+    )
+    cluster = (root / "cluster" / "8xh100_sxm.yaml").read_text()
+    for name, device in (("fast", fast), ("slow", profile)):
+        (tmp_path / f"{name}.yaml").write_text(device)
+        mine = cluster.replace("device: h100_sxm", f"device: {tmp_path / f'{name}.yaml'}")
+        (tmp_path / f"{name}_cluster.yaml").write_text(mine)
+    base = [
+        "model=gpt2_124m",
+        "trainer.precision=bf16",
+        "optim=adamw",
+        "strategy=fsdp",
+        "trainer.batch_size=64",
+    ]
+
+    def step(*args: str) -> tuple[float, dict]:
+        result = run_here(tmp_path, "plan", *base, *args, "--format", "json")
+        assert result.returncode == 0, result
+        out = json.loads(result.stdout)
+        return out["plans"][0]["compute_s"], out
+
+    fast_s, _ = step("--cluster", str(tmp_path / "fast_cluster.yaml"))
+    slow_s, _ = step("--cluster", str(tmp_path / "slow_cluster.yaml"))
+    assert slow_s / fast_s == pytest.approx(2.0, rel=0.05)  # every op on the device takes half as long
+    _, given = step("--cluster", "8xh100_sxm", "--mfu", "0.5")
+    assert given["timing"].startswith("step time at 50% of peak (an MFU override")
+    assert given["plans"][0]["mfu"] == pytest.approx(0.5, rel=0.1)
 
 
 def test_time_and_cost_carry_the_range_the_held_out_validation_measured(tmp_path: Path):
@@ -74,7 +184,7 @@ def test_time_and_cost_carry_the_range_the_held_out_validation_measured(tmp_path
         "(a test host, 2026-11-27)."
     )
     (ddp,) = [line for line in table if line.startswith("ddp ")]
-    ddp_json = next(p for p in out["plans"] if p["plan"] == "ddp")
+    ddp_json = next(p for p in out["plans"] if p["mesh"] == "ddp")
     low, high = (v / 60 for v in ddp_json["time_s_range"])
     assert f"min ({low:.1f}-{high:.1f})" in ddp  # the time column, with its range
 
@@ -123,7 +233,7 @@ def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tm
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--cluster", "nosuch"], "--cluster: no cluster profile 'nosuch' (fix: one of 4xl40s_pcie, "),
+        (["--cluster", "nosuch"], "--cluster: no cluster profile 'nosuch' (fix: one of 1xh100_sxm, "),
         (
             ["--cluster", "8xh100_sxm", "--price", "0"],
             "--price: the price per device and hour must be positive",
@@ -134,7 +244,7 @@ def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tm
         ),
         (
             ["--cluster", "MISSING"],
-            "missing.yaml: device.memory_gib: missing (fix: see conf/cluster/8xh100_sxm.yaml)",
+            "missing.yaml: device: missing (fix: see conf/cluster/8xh100_sxm.yaml)",
         ),
         (
             ["--cluster", "8xh100_sxm", "data=digits", "task=classification"],
@@ -157,7 +267,7 @@ def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tm
 )
 def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], said: str):
     profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "8xh100_sxm.yaml").read_text()
-    (tmp_path / "missing.yaml").write_text(profile.replace("  memory_gib: 80\n", ""))
+    (tmp_path / "missing.yaml").write_text(profile.replace("device: h100_sxm\n", ""))
     (tmp_path / "nointer.yaml").write_text(profile.replace("inter: ib400\n", ""))
     args = [a.replace("MISSING", str(tmp_path / "missing.yaml")) for a in args]
     args = [a.replace("NOINTER", str(tmp_path / "nointer.yaml")) for a in args]
@@ -195,8 +305,8 @@ def test_the_emitted_file_runs_the_recommended_plan_and_its_command_passes_prefl
     )
     assert result.returncode == 0, result
     recommended = next(line for line in result.stdout.splitlines() if line.startswith("Recommended: "))
-    label, rest = recommended.removeprefix("Recommended: ").split(" (", 1)
-    chosen = rest.split(")", 1)[0].split()  # its overrides
+    label, rest = recommended.removeprefix("Recommended: ").split(": strategy=", 1)
+    chosen = ("strategy=" + rest.split(";", 1)[0]).split()  # its overrides
     assert result.stdout.strip().endswith(f"wrote {out}: {label}, {kind}")
     text = out.read_text()
     if kind == "skypilot":
@@ -222,7 +332,7 @@ def test_the_emitted_file_runs_the_recommended_plan_and_its_command_passes_prefl
     assert "--nnodes=" in line and "--nproc_per_node=8" in line
     args = _ddpexp_args(line)
     assert args[-2:] == ["device=cuda", "backend=nccl"] and all(o in args for o in chosen)
-    assert "trainer.batch_size=64" in args
+    assert "trainer.batch_size=64" in args and any(a.startswith("trainer.accumulate=") for a in args)
     preflight(args, load_cluster("8xh100_sxm", nodes=2))  # what a run on that cluster would check first
 
 
@@ -268,7 +378,8 @@ def test_plot_draws_predicted_time_against_cost(tmp_path: Path):
     """--plot FILE: a PNG of every plan that runs, time to the target against its cost (without a
     target: step time against the cost of a million tokens)."""
     from ddpexp.planner import picture
-    from ddpexp.planner.estimate import Candidate, Estimate
+    from ddpexp.planner.estimate import Estimate
+    from ddpexp.planner.space import Candidate
 
     result = plan(tmp_path, "--cluster", "8xh100_sxm", "--tokens", "1e9", "--plot", str(tmp_path / "p.png"))
     assert result.returncode == 0, result

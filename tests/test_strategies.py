@@ -17,12 +17,14 @@ from ddpexp.plan import HostFacts
 from ddpexp.strategies.ddp_mp import StageChain, group
 from ddpexp.validate import plan
 
+from .test_gpt_model import PUBLISHED
+
 # The published transformer shapes (billions of parameters) are only built on the meta device, by
 # tests/test_gpt_model.py; the trainable sizes of the same model are split here.
 MODELS = sorted(
     f.stem
     for f in (Path(conf_dir()) / "model").glob("*.yaml")
-    if f.stem not in ("gpt2_124m", "llama3_2_1b", "llama3_1_8b")
+    if f.stem not in PUBLISHED
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -15,8 +16,22 @@ from typing import Any
 from ..errors import UserError
 from ..predict import validation
 from . import emit, picture, verify
-from .estimate import Estimate, candidates, estimate, job_of, launch_args
+from .estimate import DEFAULT_SEQ_CAP, Estimate, composed, job_of, launch_args
 from .profiles import GIB, Cluster, cluster_names, load_cluster
+from .search import given_layout, search, to_stderr
+
+EPILOG = """\
+Other arguments are ddpexp's overrides (model=..., trainer.batch_size=..., trainer.precision=bf16...):
+the job to plan. A language model needs no data=: it is planned on synthetic tokens at its context
+length (--seq-len N to choose). With strategy=... the layout given is planned as given (one row).
+
+examples:
+  ddpexp plan model=llama3_1_8b trainer.precision=bf16 optim=adamw --cluster 8xh100_sxm --tokens 1e9
+  ddpexp plan model=llama3_70b trainer.batch_size=64 trainer.precision=bf16 optim=adamw \\
+      --cluster 8xa100_80gb --nodes 8 --seq-len 8192
+  ddpexp plan model=llama3_1_8b trainer.batch_size=16 trainer.precision=bf16 optim=adamw \\
+      strategy=fsdp trainer.activation_checkpointing=selective --cluster 8xh100_sxm --seq-len 8192
+"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -24,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
         prog="ddpexp plan",
         description="Rank every strategy and mesh for a model on a cluster you are about to rent: fits, "
         "step time, tokens/s, MFU, and time and cost to a target.",
-        epilog="Other arguments are ddpexp's overrides (model=..., data=..., trainer.batch_size=...).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--cluster", required=True, help=f"a profile ({', '.join(cluster_names())}) or a YAML file"
@@ -34,6 +50,19 @@ def parser() -> argparse.ArgumentParser:
     target = p.add_mutually_exclusive_group()
     target.add_argument("--tokens", type=float, help="train this many tokens (e.g. 1e9)")
     target.add_argument("--epochs", type=float, help="train this many epochs of the dataset")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sample of the synthetic tokens a language model is planned on when no data= is "
+        f"given (default: the model's context, at most {DEFAULT_SEQ_CAP:,})",
+    )
+    p.add_argument(
+        "--mfu",
+        type=float,
+        help="time every step at this share of the peak instead of the per-op model (an override, named "
+        "in the output)",
+    )
+    p.add_argument("--all", action="store_true", help="list every layout tried, not only each mesh's best")
     p.add_argument("--by", choices=("cost", "time"), default="cost", help="sort by cost or by time")
     p.add_argument("--format", choices=("table", "md", "csv", "json"), default="table")
     p.add_argument(
@@ -71,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return UserError.exit_code
     try:
         cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
+        if args.mfu is not None:
+            if not 0 < args.mfu <= 1:
+                raise UserError(f"--mfu {args.mfu}", setting="--mfu", fix="give a share of the peak, 0..1")
+            cluster = dataclasses.replace(cluster, achieved_mfu=args.mfu)
         if args.verify is not None:
             verify.check(cluster, args.verify)
             if args.verify_rounds < 1 or args.verify_epochs < 2:
@@ -85,8 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpexp plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(render(results, cluster, args, job, spread), end="")
+    # Machine formats own stdout: what else the command says goes to stderr.
+    say = (lambda line: print(line, file=sys.stderr)) if args.format in ("json", "csv") else print
     if args.plot:
-        print(f"wrote {picture.write(args.plot, results, cluster, job, spread)}: predicted time against cost")
+        say(f"wrote {picture.write(args.plot, results, cluster, job, spread)}: predicted time against cost")
     if args.verify is not None:
         out = args.verify_dir or verify.default_out()
         ran = verify.verify(
@@ -95,29 +130,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(verify.render(ran, cluster, args.verify_rounds, args.verify_epochs, out), end="")
     if args.emit:
-        best = next(r for r in results if r.note is None and r.fits)
         try:
-            cmd = launch_args(overrides, best.candidate.overrides, cluster)
-            path = emit.write(args.emit, args.emit_to, cluster, cmd, best.time_s / 3600, best.candidate.label)
+            best = next((r for r in results if r.note is None and r.fits), None)
+            if best is None:
+                raise UserError("the layout given does not fit", setting="strategy", fix="plan without it")
+            cmd = launch_args(job.overrides, best.candidate.overrides, cluster)
+            path = emit.write(args.emit, args.emit_to, cluster, cmd, best.time_s / 3600, best.label)
         except UserError as exc:
             print(f"ddpexp plan: error: --emit {args.emit}: {exc}", file=sys.stderr)
             return exc.exit_code
-        print(f"wrote {path}: {best.candidate.label}, {args.emit}")
+        say(f"wrote {path}: {best.label}, {args.emit}")
     return 0
 
 
 def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tuple[list[Estimate], Any]:
-    from .. import composition
     from ..predict.interconnect import fabric
 
-    with composition.composer() as compose:
-        cfg = compose(overrides)
-    job = job_of(overrides, cfg, tokens=args.tokens if args.epochs is None else None, epochs=args.epochs)
+    job = job_of(
+        *composed(overrides, args.seq_len),
+        tokens=args.tokens if args.epochs is None else None,
+        epochs=args.epochs,
+    )
     links = fabric(cluster.interconnect)
-    results = [
-        estimate(c, job, cluster, links)
-        for c in candidates(cluster, job.stages, loss_parallel=job.loss_parallel)
-    ]
+    results = search(job, cluster, links, progress=to_stderr, everything=args.all)
+    if given_layout(job.overrides, job) is not None:
+        return results, job
     if not any(r.fits for r in results):
         runnable = [r for r in results if r.note is None]
         if not runnable:
@@ -126,10 +163,10 @@ def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tu
         need, usable = least.peak_bytes / GIB, cluster.usable_bytes / GIB
         raise UserError(
             f"no strategy fits on {cluster.devices} x {cluster.device}: the leanest, "
-            f"{least.candidate.label}, needs {need:,.2f} GiB per rank of the {usable:,.2f} usable",
+            f"{least.label}, needs {need:,.2f} GiB per rank of the {usable:,.2f} usable",
             setting="--nodes",
             fix=f"rent more devices (--nodes {2 * cluster.nodes}), a smaller trainer.batch_size, or "
-            "trainer.activation_checkpointing=full",
+            "a shorter --seq-len",
         )
     # Without a target there is no cost: by step time (cost per token follows it on one cluster).
     key = (lambda r: r.cost) if args.by == "cost" and job.target_tokens else (lambda r: r.step_s)
@@ -159,7 +196,7 @@ HEAD = [
     "fits",
     "GiB/rank",
     "step s",
-    "tokens/s",
+    "tokens/s/device",
     "MFU",
     "GB/step node",
     "GB/step net",
@@ -168,16 +205,25 @@ HEAD = [
 ]
 
 
+def _seconds(value: float) -> str:
+    """A step's seconds with the digits that show it (a small model's step is milliseconds)."""
+    return f"{value:.3f}" if value >= 0.1 else f"{value:.2g}" if value > 0 else "0"
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:,.1f}" if value >= 0.1 * GIB else f"{value / GIB:.2g}"
+
+
 def _row(r: Estimate, spread: validation.Validation) -> list[str]:
     if r.note is not None:
-        return [r.candidate.label, "-", "-", "-", "-", "-", "-", "-", "-", r.note]
+        return [r.label, "-", "-", "-", "-", "-", "-", "-", "-", r.note]
     fits = "yes" if r.fits else f"no: {r.largest}"
     return [
-        r.candidate.label,
+        r.label,
         fits,
-        f"{r.peak_bytes / GIB:,.1f}",
-        f"{r.step_s:.3f}",
-        f"{r.tokens_per_s:,.0f}",
+        _gib(r.peak_bytes),
+        _seconds(r.step_s),
+        f"{r.tokens_per_s_per_device:,.0f}",
         f"{r.mfu:.1%}",
         f"{r.bytes_intra / 1e9:,.2f}",
         f"{r.bytes_inter / 1e9:,.2f}",
@@ -188,16 +234,21 @@ def _row(r: Estimate, spread: validation.Validation) -> list[str]:
 
 def _record(r: Estimate, spread: validation.Validation) -> dict[str, Any]:
     fields = {
-        "plan": r.candidate.label,
+        "plan": r.label,
+        "mesh": r.candidate.label,
         "overrides": r.candidate.overrides,
         "note": r.note,
         "fits": r.fits,
         "peak_gib_per_rank": r.peak_bytes / GIB,
         "largest_category": r.largest,
+        "peak_gib_by_category": {k: v / GIB for k, v in r.parts.items()},
+        "micro_batch": r.micro_batch,
         "step_s": r.step_s,
         "compute_s": r.compute_s,
         "exposed_comm_s": r.exposed_s,
+        "optimizer_s": r.optimizer_s,
         "tokens_per_s": r.tokens_per_s,
+        "tokens_per_s_per_device": r.tokens_per_s_per_device,
         "mfu": r.mfu,
         "bytes_per_step_intra_node": r.bytes_intra,
         "bytes_per_step_inter_node": r.bytes_inter,
@@ -214,6 +265,13 @@ def _record(r: Estimate, spread: validation.Validation) -> dict[str, Any]:
     return out
 
 
+def timing_basis(cluster: Cluster) -> str:
+    """What the step times rest on, said in the header."""
+    if cluster.achieved_mfu is not None:
+        return f"step time at {cluster.achieved_mfu:.0%} of peak (an MFU override, not the per-op model)"
+    return "step time from the per-op model"
+
+
 def render(
     results: list[Estimate],
     cluster: Cluster,
@@ -223,8 +281,8 @@ def render(
 ) -> str:
     if args.format == "json":
         plans = [_record(r, spread) for r in results]
-        ranges = {"ranges_from": spread.describe()}
-        return json.dumps({"cluster": cluster.name, **ranges, "plans": plans}, indent=2) + "\n"
+        about = {"ranges_from": spread.describe(), "timing": timing_basis(cluster), "seq_len": job.seq_len}
+        return json.dumps({"cluster": cluster.name, **about, "plans": plans}, indent=2) + "\n"
     rows = [_row(r, spread) for r in results]
     if args.format == "csv":
         out = io.StringIO()
@@ -252,7 +310,7 @@ def render(
     )
     head = (
         f"{cluster.devices} x {cluster.device} ({cluster.nodes} node(s), {cluster.interconnect}), "
-        f"${cluster.price_per_device_hour:g} per device-hour, {cluster.achieved_mfu:.0%} of peak assumed; "
+        f"${cluster.price_per_device_hour:g} per device-hour, {timing_basis(cluster)}; "
         f"global batch {job.global_batch} x {job.seq_len} tokens; to {target}"
     )
     if job.target_tokens:
@@ -261,20 +319,26 @@ def render(
 
 
 def advice(results: list[Estimate], by: str) -> str:
-    """The recommendation and the runner-up, a sentence each."""
+    """The recommendation and the runner-up, a sentence each; for a layout given as such, its verdict."""
     fitting = [r for r in results if r.note is None and r.fits]
-    best = fitting[0]
     what = "cheapest" if by == "cost" else "fastest"
 
     def why(r: Estimate) -> str:
         share = r.exposed_s / r.step_s if r.step_s else 0.0
         return (
-            f"{r.peak_bytes / GIB:,.1f} GiB per rank (most of it {r.largest}), "
+            f"{_gib(r.peak_bytes)} GiB per rank (most of it {r.largest}), "
             f"{share:.0%} of its step waiting for communication"
         )
 
+    if len(results) == 1 and results[0].candidate.given:
+        (r,) = results
+        if r.note is not None:
+            return f"The layout given cannot run: {r.note}"
+        verdict = "fits" if r.fits else f"does not fit (most of it {r.largest})"
+        return f"The layout given {verdict}: {why(r)}."
+    best = fitting[0]
     lines = [
-        f"Recommended: {best.candidate.label} ({' '.join(best.candidate.overrides)}), the {what} of the "
+        f"Recommended: {best.label}: {' '.join(best.candidate.overrides)}; the {what} of the "
         f"{len(fitting)} plans that fit: {why(best)}."
     ]
     if len(fitting) > 1:
@@ -282,5 +346,5 @@ def advice(results: list[Estimate], by: str) -> str:
         slower = second.step_s / best.step_s - 1
         dearer = second.cost - best.cost
         extra = f", ${dearer:,.2f} more" if math.isfinite(dearer) else ""
-        lines.append(f"Runner-up: {second.candidate.label}, {slower:+.0%} step time{extra}: {why(second)}.")
+        lines.append(f"Runner-up: {second.label}, {slower:+.0%} step time{extra}: {why(second)}.")
     return "\n".join(lines)

@@ -1,86 +1,23 @@
-"""Every strategy and mesh a model can use on a cluster (`candidates`), and for each (`estimate`):
-whether pre-flight would accept it there (`preflight`), whether it fits (the memory model,
-ddpexp.predict.memory), its step time (compute from the model's FLOPs at the device's peak x the
-achieved share, plus the communication its `Strategy.communication` declares on the cluster's links,
-less what hides behind compute) and what a run to a target costs."""
+"""One candidate on a cluster (`estimate`): whether pre-flight would accept it there (`preflight`),
+whether it fits (the memory model, ddpexp.predict.memory), its step time (each rank's ops on the
+device, ddpexp.predict.device, plus the communication its `Strategy.communication` declares on the
+cluster's links that compute does not hide: timing.py) and what a run to a target costs."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ActivationCheckpointing, Precision
 from ..errors import UserError
 from .profiles import Cluster
+from .space import Candidate
+from .timing import StepTime, compute, exposed_s, optimizer_s
 
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to spread the job: its label, its strategy section and the overrides that select it."""
-
-    label: str
-    section: dict[str, Any]
-
-    @property
-    def overrides(self) -> list[str]:
-        name = self.section["name"]
-        return [
-            f"strategy={name}",
-            *(f"strategy.{k}={_text(v)}" for k, v in self.section.items() if k != "name"),
-        ]
-
-
-def _text(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def candidates(cluster: Cluster, stages: int, *, loss_parallel: bool = False) -> list[Candidate]:
-    """The data-parallel strategies over every device, then nd's meshes: tensor parallelism within a
-    node (2, 4, 8 ranks, with sequence parallelism, and loss parallelism where the model's plan has
-    it, as torchtitan trains), pipeline stages (2, 4; up to the model's `stages`), FSDP over the rest;
-    HSDP (a replica per node) over several nodes; and pipeline's 1F1B with DDP replicas. Sizes that
-    do not divide the world are left out."""
-    world, per_node = cluster.devices, cluster.devices_per_node
-    split: dict[str, Any] = {"sequence_parallel": True} | ({"loss_parallel": True} if loss_parallel else {})
-    named = " sp lp" if loss_parallel else " sp"
-    out = [
-        Candidate("ddp", {"name": "ddp"}),
-        Candidate("zero", {"name": "zero"}),
-        Candidate("fsdp", {"name": "fsdp"}),
-        Candidate("fsdp_no_reshard", {"name": "fsdp", "reshard_after_forward": False}),
-    ]
-    tps = [tp for tp in (2, 4, 8) if tp <= per_node and per_node % tp == 0]
-    pps = [pp for pp in (2, 4) if pp <= stages and world % pp == 0]
-    for pp in [1, *pps]:
-        for tp in [1, *tps]:
-            if (pp, tp) == (1, 1) or world % (pp * tp):
-                continue
-            mesh: dict[str, Any] = {"tp": tp, **split} if tp > 1 else {}
-            if pp > 1:
-                mesh |= {"pp": pp, "microbatches": 2 * pp, "schedule": "1f1b"}
-            label = " x ".join(
-                [
-                    *([f"pp{pp}"] if pp > 1 else []),
-                    f"fsdp{world // (pp * tp)}",
-                    *([f"tp{tp}{named}"] if tp > 1 else []),
-                ]
-            )
-            out.append(Candidate(f"nd {label}", {"name": "nd", "dp_shard": -1, **mesh}))
-    if cluster.nodes > 1:
-        for tp in [1, *tps]:
-            shard = world // cluster.nodes // tp
-            mesh = {"tp": tp, **split} if tp > 1 else {}
-            label = f"hsdp{cluster.nodes} x fsdp{shard}" + (f" x tp{tp}{named}" if tp > 1 else "")
-            out.append(
-                Candidate(
-                    f"nd {label}", {"name": "nd", "dp_replicate": cluster.nodes, "dp_shard": -1, **mesh}
-                )
-            )
-    for pp in pps:
-        section = {"name": "pipeline", "stages": pp, "replicas": world // pp, "microbatches": 2 * pp}
-        out.append(Candidate(f"pipeline {pp} stages x {world // pp} (1f1b)", {**section, "schedule": "1f1b"}))
-    return out
+# A language model planned without data= is planned on synthetic tokens at its context, up to this: a
+# Llama 3's context is 131,072 tokens, but it pretrained at 8,192 for most of its run.
+DEFAULT_SEQ_CAP = 8192
 
 
 @dataclass(frozen=True)
@@ -92,6 +29,7 @@ class Estimate:
     fits: bool = False
     compute_s: float = math.nan
     exposed_s: float = math.nan  # communication the step waits for
+    optimizer_s: float = math.nan
     step_s: float = math.nan
     tokens_per_s: float = math.nan
     mfu: float = math.nan
@@ -100,14 +38,34 @@ class Estimate:
     steps: float = math.nan  # to the target
     time_s: float = math.nan
     cost: float = math.nan
+    micro_batch: float = math.nan  # samples per micro-batch of a data shard
+    devices: int = 0
+    parts: dict[str, float] = field(default_factory=dict)  # the peak by category, bytes
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_s / self.devices if self.devices else math.nan
+
+    @property
+    def label(self) -> str:
+        c = self.candidate
+        if not math.isfinite(self.micro_batch):
+            return c.label
+        return f"{c.label} ({c.settings.describe(self.micro_batch)})"
 
 
 def launch_args(overrides: list[str], plan_overrides: list[str], cluster: Cluster) -> list[str]:
-    """The ddpexp command line of a plan: the user's overrides, the plan's strategy and mesh (which win),
-    on the cluster's devices."""
+    """The ddpexp command line of a plan: the user's overrides, the plan's strategy, mesh and settings
+    (which win), on the cluster's devices."""
+    from .. import strategies
+
     mine = {o.split("=", 1)[0] for o in plan_overrides}
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in mine]
-    return [*kept, *plan_overrides, *cluster.launch]
+    name = next((o.split("=", 1)[1] for o in plan_overrides if o.startswith("strategy=")), None)
+    launch = cluster.launch
+    if name is not None and not strategies.get(name).uses_process_group:
+        launch = [o for o in launch if not o.startswith("backend=")]  # one process: no backend to name
+    return [*kept, *plan_overrides, *launch]
 
 
 def preflight(args: list[str], cluster: Cluster) -> None:
@@ -139,6 +97,52 @@ class Job:
     target_tokens: float
     stages: int  # the model's stages() (pipeline's limit)
     loss_parallel: bool  # whether its tensor-parallel plan can keep the logits split
+    input_dtype: Any = None
+
+    @property
+    def precision(self) -> str:
+        return Precision.of(self.cfg.trainer.precision).name
+
+
+def composed(overrides: list[str], seq_len: int | None) -> tuple[list[str], Any]:
+    """The overrides and the config they compose. A model without data= is planned on synthetic tokens
+    at its context length (`seq_len`, else the model's, at most DEFAULT_SEQ_CAP), enough of them for
+    a step of the global batch."""
+    from .. import composition
+
+    with composition.composer() as compose:
+        if any(o.split("=", 1)[0].lstrip("+~") == "data" for o in overrides):
+            cfg = compose(overrides)
+            if seq_len is not None:
+                raise UserError(
+                    "--seq-len is for a model planned without data=",
+                    setting="--seq-len",
+                    fix="set the data's own length (e.g. data.block_size=N), or leave data= out",
+                )
+            return overrides, cfg
+        lm = ["data=synthetic_tokens", "task=lm"]
+        cfg = compose([*lm, *(o for o in overrides if o.split("=", 1)[0] not in ("data", "task"))])
+        context = cfg.model.get("block_size")
+        if seq_len is None and not isinstance(context, int):
+            raise UserError(
+                "the model names no context length to plan synthetic tokens at",
+                setting="--seq-len",
+                fix="give --seq-len N, or data=... with the tokens to train on",
+            )
+        length = seq_len if seq_len is not None else min(int(context), DEFAULT_SEQ_CAP)
+        if length < 1:
+            raise UserError(f"--seq-len {length}", setting="--seq-len", fix="give 1 or more tokens")
+        tokens = 2 * int(cfg.trainer.batch_size) * (length + 1)  # a window holds length + 1 tokens
+        data = [
+            "data=synthetic_tokens",
+            "task=lm",
+            f"data.block_size={length}",
+            f"data.train_tokens={max(tokens, 262144)}",
+            f"data.eval_tokens={max(tokens // 8, 2 * (length + 1))}",
+        ]
+        mine = {o.split("=", 1)[0] for o in data}
+        chosen = [*data, *(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in mine)]
+        return chosen, compose(chosen)
 
 
 def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: float | None) -> Job:
@@ -154,7 +158,8 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
         raise UserError(
             "the planner counts tokens: it needs a token corpus",
             setting="data",
-            fix="e.g. data=synthetic_tokens task=lm data.block_size=4096 (or python_stdlib, text_files)",
+            fix="leave data= out (a language model is planned on synthetic tokens at its context length), "
+            "or give one: data=synthetic_tokens task=lm data.block_size=4096 (python_stdlib, text_files)",
         )
     with torch.device("meta"):
         model = models.build(cfg.model, info)
@@ -176,23 +181,58 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
     split = getattr(model, "stages", None)
     stages = len(split()) if callable(split) else 1
     lp = tensor_parallel.splits_loss(model)
-    return Job(overrides, cfg, model, batch, seq_len, float(count(seq_len)), target, stages, lp)
+    return Job(overrides, cfg, model, batch, seq_len, float(count(seq_len)), target, stages, lp, torch.long)
 
 
-def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> Estimate:
-    """One candidate on `cluster`: memory, step time, throughput, MFU, bytes, time and cost to target."""
+def config_for(job: Job, candidate: Candidate) -> Any:
+    """The job's config with the candidate's settings (accumulation, checkpointing, compile)."""
+    import copy
+
+    from omegaconf import open_dict
+
+    cfg = copy.deepcopy(job.cfg)
+    with open_dict(cfg):
+        cfg.trainer.accumulate = candidate.settings.accumulate
+        cfg.trainer.activation_checkpointing = candidate.settings.ac
+        cfg.trainer.compile = candidate.settings.compile
+    return cfg
+
+
+def strategy_of(candidate: Candidate) -> Any:
     from .. import strategies
-    from ..predict.memory import predict
-    from ..predict.model import Host, hidden_s
+
+    section = dict(candidate.section)
+    if candidate.settings.gather is not None:
+        section["mixed_precision"] = candidate.settings.gather
+    if candidate.settings.reshard is not None:
+        section["reshard_after_forward"] = candidate.settings.reshard
+    return strategies.resolve(section)
+
+
+def estimate(
+    candidate: Candidate, job: Job, cluster: Cluster, fabric: Any, cache: dict[Any, Any] | None = None
+) -> Estimate:
+    """One candidate on `cluster`: memory, step time, throughput, MFU, bytes, time and cost to target.
+    Pre-flight is the caller's (`preflight`, once per mesh)."""
+    from ..predict.memory import optimizer_states, predict
     from ..strategies.comm import Workload
 
+    cfg = config_for(job, candidate)
     try:
-        preflight(launch_args(job.overrides, candidate.overrides, cluster), cluster)
-        strategy = strategies.resolve(candidate.section)
-        world = cluster.devices
-        ranks = predict(job.cfg, world=world, global_batch=job.global_batch, strategy=strategy)
+        strategy = strategy_of(candidate)
+        ranks = predict(
+            cfg,
+            world=cluster.devices,
+            global_batch=job.global_batch,
+            strategy=strategy,
+            trace=cluster.achieved_mfu is None,
+            extrapolate=True,
+            nodes=cluster.nodes,
+            cache=cache,
+            model=job.model,
+        )
     except UserError as exc:
-        return Estimate(candidate, note=str(exc))
+        return Estimate(candidate, note=str(exc), devices=cluster.devices)
     worst = max(ranks, key=lambda r: r.peak)
     parts = {
         "parameters": worst.in_step,
@@ -201,42 +241,42 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         "activations": worst.activations,
         "the backward's temporaries": worst.transient,
         "copies": worst.copies,
+        "FSDP's buffers": worst.buffers,
     }
-    import torch
-
+    world = cluster.devices
     work = Workload(
         model=job.model,
         devices=world,
         world=world,
         nodes=cluster.nodes,
         global_batch=job.global_batch,
-        accumulate=int(job.cfg.trainer.accumulate),
+        accumulate=candidate.settings.accumulate,
         device_type=cluster.device_type,
         input_shape=(job.seq_len,),
-        input_dtype=torch.long,
+        input_dtype=job.input_dtype,
+        precision=job.precision,
     )
-    precision = Precision.of(job.cfg.trainer.precision)
-    peak = cluster.peak_flops(precision.name)
-    step_flops = job.flops_per_token * job.global_batch * job.seq_len
-    if ActivationCheckpointing(job.cfg.trainer.activation_checkpointing) == ActivationCheckpointing.full:
-        step_flops *= 4 / 3  # the forward again, in the backward
-    compute = step_flops * strategy.compute_share(job=work) / (peak * cluster.achieved_mfu)
-    timed = [(c, fabric.time_s(c)) for c in strategy.communication(job=work)]
-    # A CPU profile's device is a one-thread process on a core of its own.
-    host = Host(cluster.device_type, cores=cluster.devices_per_node, threads=1)
-    overlap = host.overlap_efficiency(cluster.devices_per_node)
-    exposed = sum(t for _, t in timed) - hidden_s(timed, compute, overlap)
-    step = compute + exposed
+    shards = len(set(strategy.data_layout(world_size=world)))
+    timed = [(c, fabric.time_s(c)) for c in communication(strategy, work, cache)]
+    if cluster.achieved_mfu is not None:
+        times = _at_assumed_mfu(cfg, job, cluster, strategy, work, timed)
+    else:
+        times = _per_op(
+            job, cluster, ranks, shards, timed, candidate.settings.compile, optimizer_states(cfg.optim)
+        )
     tokens = job.global_batch * job.seq_len
     steps = math.ceil(job.target_tokens / tokens) if job.target_tokens else math.nan
+    step = times.step_s
     time_s = steps * step
+    peak = cluster.peak_flops(job.precision)
     return Estimate(
         candidate,
         peak_bytes=worst.peak,
         largest=max(parts, key=lambda k: parts[k]),
         fits=worst.peak <= cluster.usable_bytes,
-        compute_s=compute,
-        exposed_s=exposed,
+        compute_s=times.compute_s,
+        exposed_s=times.exposed_s,
+        optimizer_s=times.optimizer_s,
         step_s=step,
         tokens_per_s=tokens / step,
         mfu=job.flops_per_token * tokens / step / (world * peak),
@@ -245,4 +285,90 @@ def estimate(candidate: Candidate, job: Job, cluster: Cluster, fabric: Any) -> E
         steps=steps,
         time_s=time_s,
         cost=time_s / 3600 * world * cluster.price_per_device_hour,
+        micro_batch=job.global_batch / shards / candidate.settings.accumulate,
+        devices=world,
+        parts=parts,
     )
+
+
+def _per_op(
+    job: Job,
+    cluster: Cluster,
+    ranks: list[Any],
+    shards: int,
+    timed: list[tuple[Any, float]],
+    compiled: bool,
+    states: int,
+) -> StepTime:
+    """The step from each rank's ops on the device (the slowest rank's), the communication compute
+    does not hide, and the optimizer's step."""
+    device = cluster.hardware
+    slowest: tuple[float, float] = (0.0, 0.0)
+    optimized = 0.0
+    for r in ranks:
+        if r.work is None or r.samples <= 0:
+            continue
+        passes = job.global_batch / shards / r.samples
+        launched = _collective_launches(timed, passes * r.slots)
+        forward, backward = compute(
+            device.time(r.work, compiled=compiled, launches=launched), passes, r.slots
+        )
+        if forward + backward > sum(slowest):
+            slowest = (forward, backward)
+        optimized = max(optimized, r.optim_state / max(states, 1) if states else r.grads)
+    forward, backward = slowest
+    return StepTime(
+        compute_s=forward + backward,
+        exposed_s=exposed_s(timed, forward, backward),
+        optimizer_s=optimizer_s(device, optimized, states),
+        forward_s=forward,
+        backward_s=backward,
+    )
+
+
+# Kernels the host launches for each call of a collective: the communication kernel, and the copies into
+# and out of its flat buffer (FSDP's copy-in and copy-out around each all-gather and reduce-scatter).
+KERNELS_PER_CALL = 3
+
+
+def _collective_launches(timed: list[tuple[Any, float]], passes: float) -> tuple[float, float]:
+    """The kernels a rank's collectives add to the host's work per micro-batch slot, (forward,
+    backward): those overlapping the forward to it, the rest to the backward."""
+    from ..strategies.comm import Overlap
+
+    forward = sum(c.calls for c, _ in timed if c.overlaps == Overlap.forward)
+    rest = sum(c.calls for c, _ in timed if c.overlaps != Overlap.forward)
+    return forward * KERNELS_PER_CALL / passes, rest * KERNELS_PER_CALL / passes
+
+
+def communication(strategy: Any, work: Any, cache: dict[Any, Any] | None) -> list[Any]:
+    """`strategy.communication(job=work)`, kept in `cache` by what decides it (its settings and the
+    workload: a tensor-parallel plan's runs the model's forward on the meta device)."""
+    if cache is None:
+        return list(strategy.communication(job=work))
+    shapes = tuple(tuple(p.shape) for p in work.model.parameters())
+    sizes = (work.world, work.nodes, work.global_batch, work.accumulate, work.input_shape, work.precision)
+    key = ("communication", strategy.name, repr(strategy.settings), sizes, hash(shapes))
+    if key not in cache:
+        cache[key] = list(strategy.communication(job=work))
+    return list(cache[key])
+
+
+def _at_assumed_mfu(
+    cfg: Any, job: Job, cluster: Cluster, strategy: Any, work: Any, timed: list[tuple[Any, float]]
+) -> StepTime:
+    """The profile's achieved_mfu override: the model's FLOPs at that share of the peak, the strategy's
+    share of them on the critical path, a third of them forward."""
+    from ..predict.model import Host, hidden_s
+
+    assert cluster.achieved_mfu is not None
+    step_flops = job.flops_per_token * job.global_batch * job.seq_len
+    if ActivationCheckpointing(str(cfg.trainer.activation_checkpointing)) == ActivationCheckpointing.full:
+        step_flops *= 4 / 3  # the forward again, in the backward
+    peak = cluster.peak_flops(job.precision)
+    compute_s = step_flops * strategy.compute_share(job=work) / (peak * cluster.achieved_mfu)
+    # A CPU profile's device is a one-thread process on a core of its own.
+    host = Host(cluster.device_type, cores=cluster.devices_per_node, threads=1)
+    overlap = host.overlap_efficiency(cluster.devices_per_node)
+    exposed = sum(t for _, t in timed) - hidden_s(timed, compute_s, overlap)
+    return StepTime(compute_s, exposed, 0.0, compute_s / 3, 2 * compute_s / 3)

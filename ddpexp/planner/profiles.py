@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..predict.device import Device, load_device
 
 GIB = 2**30
-PEAK_KINDS = ("bf16", "tf32", "fp32")
 
 
 @dataclass(frozen=True)
@@ -18,21 +18,32 @@ class Cluster:
     name: str
     devices_per_node: int
     nodes: int
-    device: str
-    memory_gib: float
-    peak_tflops: dict[str, float]  # dense, by what the matmuls run in
+    hardware: Device  # one device's profile (conf/devices)
     intra: str  # conf/interconnect profiles
     inter: str | None
-    achieved_mfu: float
     reserve_gib: float
     price_per_device_hour: float
     accelerator: str | None = None  # SkyPilot's name for the device (--emit skypilot)
-    device_type: str = "cuda"  # cpu: a device is a process of one thread on a core of its own (gloo)
+    # A share of the peak to time every step at, instead of the per-op model: an override, named as such
+    # in the output (a CPU host's profile, which has no per-op model, gives one).
+    achieved_mfu: float | None = None
+
+    @property
+    def device(self) -> str:
+        return self.hardware.name
+
+    @property
+    def device_type(self) -> str:
+        """cuda, or cpu: a device is then a process of one thread on a core of its own (gloo)."""
+        return self.hardware.type
+
+    @property
+    def memory_gib(self) -> float:
+        return self.hardware.memory_gib
 
     def peak_flops(self, precision: str) -> float:
-        """The dense peak its matmuls run at: bf16 for mixed precision; fp32 work runs as tf32 on a GPU."""
-        kind = "bf16" if precision != "fp32" else "tf32" if self.device_type == "cuda" else "fp32"
-        return self.peak_tflops[kind] * 1e12
+        """The dense peak its matmuls run at under trainer.precision."""
+        return self.hardware.peak_flops(precision)
 
     @property
     def launch(self) -> list[str]:
@@ -70,32 +81,27 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
     path = profile_file("cluster", name, setting="--cluster", what="cluster profile")
     raw: Any = yaml.safe_load(path.read_text()) or {}
     fields = _Fields(raw if isinstance(raw, dict) else {}, path)
-    device = _Fields(fields.mapping("device"), path, "device.")
-    peaks = device.mapping("peak_tflops")
-    for kind in PEAK_KINDS:
-        _Fields(peaks, path, "device.peak_tflops.").positive(kind)
+    mfu = raw.get("achieved_mfu") if isinstance(raw, dict) else None
     cluster = Cluster(
         name=path.stem,
         devices_per_node=int(fields.positive("devices_per_node")),
         nodes=int(fields.positive("nodes")) if nodes is None else nodes,
-        device=str(device.value("name")),
-        memory_gib=device.positive("memory_gib"),
-        peak_tflops={kind: float(peaks[kind]) for kind in PEAK_KINDS},
+        hardware=load_device(fields.value("device"), where=path.name),
         intra=str(fields.value("intra")),
         inter=None if raw.get("inter") is None else str(raw["inter"]),
-        achieved_mfu=fields.positive("achieved_mfu"),
+        achieved_mfu=None if mfu is None else fields.positive("achieved_mfu"),
         reserve_gib=float(raw.get("reserve_gib") or 0.0),
         price_per_device_hour=fields.positive("price_per_device_hour") if price is None else price,
         accelerator=None if raw.get("accelerator") is None else str(raw["accelerator"]),
-        device_type=str(fields.mapping("device").get("type", "cuda")),
     )
-    if cluster.device_type not in ("cuda", "cpu"):
+    if cluster.achieved_mfu is None and not cluster.hardware.per_op:
         raise UserError(
-            f"device.type {cluster.device_type!r}",
-            setting=f"{path.name}: device.type",
-            fix="give cuda (the default) or cpu",
+            f"{cluster.device} has no per-op figures (matmul_efficiency, memory_bandwidth_GBps) and the "
+            "profile gives no achieved_mfu",
+            setting=f"{path.name}: device",
+            fix="name a conf/devices profile (h100_sxm, a100_sxm_80gb...), or set achieved_mfu: 0..1",
         )
-    if cluster.achieved_mfu > 1:
+    if cluster.achieved_mfu is not None and cluster.achieved_mfu > 1:
         raise UserError(
             f"achieved_mfu is a share of the peak, got {cluster.achieved_mfu}",
             setting=f"{path.name}: achieved_mfu",

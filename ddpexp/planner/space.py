@@ -1,0 +1,148 @@
+"""The candidates a plan searches: the meshes a model can use on a cluster (`meshes`), and for each the
+settings practitioners tune on top (`Settings`): the micro-batch (with gradient accumulation for the
+rest of the local batch), activation checkpointing, torch.compile, and for FSDP the dtype it gathers
+parameters in and whether it reshards them after the forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .profiles import Cluster
+
+AC_MODES = ("none", "selective_half", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a candidate sets besides its mesh (None: the run's own, as the user's overrides give it)."""
+
+    accumulate: int = 1  # micro-batches per optimizer step (the local batch / the micro-batch)
+    ac: str = "none"  # trainer.activation_checkpointing
+    compile: bool = False  # trainer.compile
+    gather: str | None = None  # FSDP's parameter dtype: None its default (bf16 under bf16 training), fp32
+    reshard: bool | None = None  # FSDP's reshard_after_forward; None: the strategy's default
+
+    def overrides(self) -> list[str]:
+        out = [
+            f"trainer.accumulate={self.accumulate}",
+            f"trainer.activation_checkpointing={self.ac}",
+            f"trainer.compile={str(self.compile).lower()}",
+        ]
+        if self.gather is not None:
+            out.append(f"strategy.mixed_precision={self.gather}")
+        if self.reshard is not None:
+            out.append(f"strategy.reshard_after_forward={str(self.reshard).lower()}")
+        return out
+
+    def describe(self, micro_batch: float) -> str:
+        parts = [f"mb {micro_batch:g}" + (f" x{self.accumulate}" if self.accumulate > 1 else ""), self.ac]
+        if self.compile:
+            parts.append("compile")
+        if self.gather == "fp32":
+            parts.append("fp32 gather")
+        if self.reshard is False:
+            parts.append("no reshard")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to spread the job: its mesh's label, its strategy section, and its settings."""
+
+    label: str
+    section: dict[str, Any]
+    settings: Settings = field(default_factory=Settings)
+    given: bool = False  # the layout the user gave, planned as given
+
+    @property
+    def mesh_overrides(self) -> list[str]:
+        name = self.section["name"]
+        return [
+            f"strategy={name}",
+            *(f"strategy.{k}={_text(v)}" for k, v in self.section.items() if k != "name"),
+        ]
+
+    @property
+    def overrides(self) -> list[str]:
+        """What selects it in a run: the strategy and its mesh, then the settings."""
+        mine = {o.split("=", 1)[0] for o in self.settings.overrides()}
+        return [
+            *(o for o in self.mesh_overrides if o.split("=", 1)[0] not in mine),
+            *self.settings.overrides(),
+        ]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP shards its parameters (its gather dtype and resharding are settings)."""
+        s = self.section
+        return s["name"] == "fsdp" or (
+            s["name"] == "nd" and (s.get("dp_shard", -1) != 1 or s.get("dp_replicate", 1) > 1)
+        )
+
+    def with_settings(self, settings: Settings) -> Candidate:
+        return replace(self, settings=settings)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def meshes(cluster: Cluster, stages: int, *, loss_parallel: bool = False) -> list[Candidate]:
+    """The data-parallel strategies over every device, then nd's meshes: tensor parallelism within a
+    node (2, 4, 8 ranks, with sequence parallelism, and loss parallelism where the model's plan has
+    it, as torchtitan trains), pipeline stages (2, 4, 8; up to the model's `stages`), FSDP over the
+    rest; HSDP (a replica per node) over several nodes; and pipeline's 1F1B with DDP replicas. Sizes
+    that do not divide the world are left out."""
+    world, per_node = cluster.devices, cluster.devices_per_node
+    split: dict[str, Any] = {"sequence_parallel": True} | ({"loss_parallel": True} if loss_parallel else {})
+    named = " sp lp" if loss_parallel else " sp"
+    out = [
+        Candidate("ddp", {"name": "ddp"}),
+        Candidate("zero", {"name": "zero"}),
+        Candidate("fsdp", {"name": "fsdp"}),
+    ]
+    tps = [tp for tp in (2, 4, 8) if tp <= per_node and per_node % tp == 0]
+    pps = [pp for pp in (2, 4, 8) if pp <= stages and world % pp == 0]
+    for pp in [1, *pps]:
+        for tp in [1, *tps]:
+            if (pp, tp) == (1, 1) or world % (pp * tp):
+                continue
+            mesh: dict[str, Any] = {"tp": tp, **split} if tp > 1 else {}
+            if pp > 1:
+                mesh |= {"pp": pp, "microbatches": 2 * pp, "schedule": "1f1b"}
+            label = " x ".join(
+                [
+                    *([f"pp{pp}"] if pp > 1 else []),
+                    f"fsdp{world // (pp * tp)}",
+                    *([f"tp{tp}{named}"] if tp > 1 else []),
+                ]
+            )
+            out.append(Candidate(f"nd {label}", {"name": "nd", "dp_shard": -1, **mesh}))
+    if cluster.nodes > 1:
+        for tp in [1, *tps]:
+            shard = world // cluster.nodes // tp
+            mesh = {"tp": tp, **split} if tp > 1 else {}
+            label = f"hsdp{cluster.nodes} x fsdp{shard}" + (f" x tp{tp}{named}" if tp > 1 else "")
+            out.append(
+                Candidate(
+                    f"nd {label}", {"name": "nd", "dp_replicate": cluster.nodes, "dp_shard": -1, **mesh}
+                )
+            )
+    for pp in pps:
+        section = {"name": "pipeline", "stages": pp, "replicas": world // pp, "microbatches": 2 * pp}
+        out.append(Candidate(f"pipeline {pp} stages x {world // pp} (1f1b)", {**section, "schedule": "1f1b"}))
+    return out
+
+
+def accumulations(local_batch: int, chunks: int = 1) -> list[int]:
+    """The gradient accumulations a local batch of `local_batch` samples (per data shard) allows, each
+    micro-batch whole (and splitting into `chunks` pipeline micro-batches): powers of two, the
+    largest micro-batch (the whole batch, no accumulation) first."""
+    return [
+        a
+        for a in (2**k for k in range(0, 20))
+        if a <= local_batch and local_batch % a == 0 and (local_batch // a) % chunks == 0
+    ]
