@@ -549,6 +549,7 @@ def test_a_ring_across_nodes_moves_as_many_adapters_bytes_as_it_has_ranks_on_a_n
     ranks a node crosses between nodes on k adapters at once, so its bandwidth is k adapters' (as
     nccl-tests' bus bandwidth between 8-GPU nodes is 8 adapters'), never above the links inside a node;
     a shared adapter (Ethernet's) moves one's whatever k is."""
+
     def seconds(interconnect: str, per_node: int) -> float:
         c = Collective("x", "all_gather", 8e9, 16, inter_node=True, per_node=per_node)
         return fabric(interconnect).time_s(c) - fabric(interconnect).time_s(

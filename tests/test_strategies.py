@@ -21,11 +21,7 @@ from .test_gpt_model import PUBLISHED
 
 # The published transformer shapes (billions of parameters) are only built on the meta device, by
 # tests/test_gpt_model.py; the trainable sizes of the same model are split here.
-MODELS = sorted(
-    f.stem
-    for f in (Path(conf_dir()) / "model").glob("*.yaml")
-    if f.stem not in PUBLISHED
-)
+MODELS = sorted(f.stem for f in (Path(conf_dir()) / "model").glob("*.yaml") if f.stem not in PUBLISHED)
 
 
 pytestmark = pytest.mark.usefixtures("hydra_conf")
