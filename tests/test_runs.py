@@ -249,7 +249,9 @@ def test_exact_eval_when_eval_set_is_not_divisible_by_world_size(eval_single, np
     ddp = metrics(run_dir)["final"]
     assert ddp["eval/samples"] == eval_single["eval/samples"] == 511
     assert ddp["eval/acc"] == eval_single["eval/acc"]
-    assert math.isclose(ddp["eval/loss"], eval_single["eval/loss"], rel_tol=1e-12)
+    # Each sample scored once: one counted twice or left out moves the mean by ~1/511. Not bitwise: on
+    # some CPUs (AMX) a matrix product rounds by its batch's size and its threads (rel 4e-9 seen).
+    assert math.isclose(ddp["eval/loss"], eval_single["eval/loss"], rel_tol=1e-7)
 
 
 # ----------------------------------------------------------------------------- two nodes, torchrun

@@ -117,7 +117,8 @@ def test_a_ddp_checkpoint_evaluates_identically_under_single(resumed, tmp_path: 
     assert m["facts"]["mode"] == "eval" and not (run_dir / "model.pt").exists()
     trained = metrics(whole)["final"]
     assert m["final"]["eval/acc"] == trained["eval/acc"]
-    assert math.isclose(m["final"]["eval/loss"], trained["eval/loss"], rel_tol=1e-9)
+    # Not bitwise: on some CPUs (AMX) a matrix product rounds by its batch's size and its threads.
+    assert math.isclose(m["final"]["eval/loss"], trained["eval/loss"], rel_tol=1e-7)
 
 
 @pytest.mark.multiproc
