@@ -149,3 +149,36 @@ def test_the_optimizer_step_reads_and_writes_its_states_at_the_memory_bandwidth(
     # AdamW: the parameter, its gradient, two moments read; the parameter and moments written
     assert optimizer_s(device, 1e9, 2) == pytest.approx(7e9 / 1000e9)
     assert Timing(1.0, 2.0).total_s == 3.0
+
+
+def test_a_measured_matmul_table_replaces_the_model_s_share_with_the_nearest_shape_s(tmp_path):
+    """conf/devices' matmul_table (scripts/gemm_efficiency.py measures it on a GPU): a matmul takes the
+    share measured for the shape nearest its own in the logarithms of M, N and K."""
+    profile = tmp_path / "measured.yaml"
+    profile.write_text(
+        "name: measured\nmemory_gib: 80\npeak_tflops: {bf16: 1000, tf32: 500, fp32: 100}\n"
+        "memory_bandwidth_GBps: 1000\nmatmul_efficiency: {bf16: 0.5}\n"
+        "matmul_table:\n  bf16:\n    - [256, 256, 256, 0.1]\n    - [4096, 4096, 4096, 0.8]\n"
+    )
+    device = load_device(str(profile), where="test")
+    small = Op("matmul", "mm", "forward", flops=1e9, bytes=1e6, element_size=2, shape=(1, 300, 200, 256))
+    large = Op("matmul", "mm", "forward", flops=1e12, bytes=1e6, element_size=2, shape=(2, 2048, 8192, 4096))
+    assert device.op_s(small) == pytest.approx(1e9 / (1000e12 * 0.1))
+    assert device.op_s(large) == pytest.approx(1e12 / (1000e12 * 0.8))
+    fp32 = dataclasses.replace(large, element_size=4)  # no table for fp32: the model's
+    assert device.op_s(fp32) == pytest.approx(1e12 / (100e12 * 0.5) + 1e6 / (1000e9 * 0.9))
+
+
+def test_the_gemm_script_measures_on_a_gpu_and_says_so_without_one():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gemm_efficiency.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--peak-tflops", "989.5"], capture_output=True, text=True
+    )
+    if torch.cuda.is_available():
+        assert result.returncode == 0 and "matmul_table:" in result.stdout
+    else:
+        assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr

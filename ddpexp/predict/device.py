@@ -48,6 +48,9 @@ class Device:
     kernel_us: float = 0.0  # device time every kernel takes besides its work (start-up, tail)
     tile: tuple[int, int] = (128, 128)  # a GEMM kernel's output tile
     type: str = "cuda"  # cpu: a process of one thread on a core of its own
+    # Measured shares of the peak by dtype: (M, N, K, share) rows (scripts/gemm_efficiency.py); where
+    # given, a matmul takes the nearest shape's share instead of the model's.
+    matmul_table: dict[str, tuple[tuple[int, int, int, float], ...]] = field(default_factory=dict)
 
     def peak_flops(self, precision: str) -> float:
         """The dense peak matmuls run at under trainer.precision: bf16 for mixed precision, fp32
@@ -71,6 +74,9 @@ class Device:
             forward, backward = self.attention_efficiency
             share = backward if "backward" in op.name else forward
             return max(op.flops / (peak * 1e12 * share), memory)
+        measured = self.matmul_table.get(kind)
+        if measured and op.shape is not None:
+            return op.flops / (peak * 1e12 * _nearest(measured, op.shape))
         efficiency = self.matmul_efficiency.get(kind) or self.matmul_efficiency["bf16"]
         # A GEMM's loads are not all hidden behind its math: the two add, which is what makes a thin
         # matmul (a small model's) reach a small share of the peak.
@@ -108,6 +114,17 @@ class Device:
             max(kernel["backward"], count["backward"] * host),
             round(count["forward"] + count["backward"]),
         )
+
+
+def _nearest(table: tuple[tuple[int, int, int, float], ...], shape: tuple[int, int, int, int]) -> float:
+    """The measured share of the shape nearest `shape` (batch x M, N, K), in their logarithms."""
+    batch, m, n, k = shape
+    want = (math.log(max(batch * m, 1)), math.log(max(n, 1)), math.log(max(k, 1)))
+
+    def distance(row: tuple[int, int, int, float]) -> float:
+        return sum((math.log(r) - w) ** 2 for r, w in zip(row[:3], want, strict=True))
+
+    return min(table, key=distance)[3]
 
 
 @dataclass(frozen=True)
@@ -168,6 +185,10 @@ def load_device(spec: Any, *, where: str) -> Device:
         memory_efficiency=float(raw.get("memory_efficiency") or 0.9),
         launch_us=float(raw.get("launch_us") or 0.0),
         kernel_us=float(raw.get("kernel_us") or 0.0),
+        matmul_table={
+            str(kind): tuple((int(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows)
+            for kind, rows in (raw.get("matmul_table") or {}).items()
+        },
         tile=tuple(raw.get("tile") or (128, 128)),
         type=str(raw.get("type", "cuda")),
     )
