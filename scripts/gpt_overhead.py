@@ -139,7 +139,8 @@ def ddpexp_loop(
     train = loaders.build(splits.train, mode="device", train=True, **kw)
     evals = loaders.build(splits.eval, mode="device", train=False, **kw)
     strategy = strategies.resolve({"name": args.strategy})
-    ctx: Any = argparse.Namespace(device=device)  # all that the strategies' wrap reads of the context
+    # All that the strategies' wrap reads of the context: the device, and the training's precision.
+    ctx: Any = argparse.Namespace(device=device, plan=argparse.Namespace(precision="fp32"))
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=measure)
     adamw = OmegaConf.merge(OmegaConf.structured(OptimConfig), {"name": OptimizerName.adamw, "lr": 1e-3})
     adamw.weight_decay = 0.01  # conf/optim/adamw.yaml

@@ -175,7 +175,8 @@ def _accumulating_rank(rank: int, tmp: str) -> None:
     under the strategy's no_sync, forward included. Reduce-scatter calls counted per step."""
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=2)
     calls = _count_reduce_scatters()
-    ctx: Any = SimpleNamespace(device=torch.device("cpu"))  # all that FSDP.wrap reads of the context
+    # All that FSDP.wrap reads of the context: the device, and the training's precision.
+    ctx: Any = SimpleNamespace(device=torch.device("cpu"), plan=SimpleNamespace(precision="fp32"))
     counts = {}
     for accumulate in (1, 2, 4):
         torch.manual_seed(0)

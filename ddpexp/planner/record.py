@@ -47,7 +47,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {
             "tokens_per_s_per_device": round(self.tokens_per_s_per_device, 1),
-            "peak_gib": round(self.peak_gib, 2),
+            "peak_gib": round(self.peak_gib, 4),
             "fits": self.fits,
             "step_s": round(self.step_s, 4),
             "mfu": round(self.mfu, 4),

@@ -481,7 +481,7 @@ def _fake_process_group(world: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if _fake_world is not None and _fake_world >= world:
+    if _fake_world is not None and _fake_world >= world and dist.is_initialized():
         return
     if dist.is_initialized():
         if _fake_world is None:
