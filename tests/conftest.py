@@ -105,7 +105,11 @@ def run_here(cwd: Path, *args: str) -> Result:
     """The command line, run in this process (`ddpexp.cli.main`): what a subprocess would do, without
     paying ~3 s to start Python and import torch again. Workers of multi-process strategies are still
     real processes. For what needs a process of its own (signals, exit codes of the interpreter, the
-    process tree), use run_ddpexp."""
+    process tree), use run_ddpexp. `ddpexp plan` runs in a process of its own: its predictions split
+    models over a fake process group, and DTensor state left in this process by earlier tests has
+    made a later prediction send on a mesh whose groups were gone."""
+    if args and args[0] == "plan":
+        return run_ddpexp(cwd, *args, timeout=900)
     from ddpexp import cli
 
     out, err = io.StringIO(), io.StringIO()

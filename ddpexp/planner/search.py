@@ -64,6 +64,9 @@ def search(
 ) -> list[Estimate]:
     """The best estimate of each mesh (every estimate with `everything`), or the given layout's.
     `cache`: the fake runs of earlier calls for the same job, to reuse."""
+    from ..predict.memory import fresh_fake_process_group
+
+    fresh_fake_process_group()
     cache = {} if cache is None else cache
     given = given_layout(job.overrides, job)
     if given is not None:
