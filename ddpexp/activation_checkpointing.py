@@ -212,7 +212,26 @@ def _contexts(
         if settings.selective
         else (contextlib.nullcontext(), contextlib.nullcontext())
     )
-    return forward, _recomputation(block, recompute, settings.meter)
+    return forward, _Recomputation(block, recompute, settings.meter)
+
+
+class _Recomputation:
+    """`_recomputation`, entered afresh each time: a backward split into the inputs' and the weights'
+    gradients (the zero-bubble pipeline schedules) recomputes a checkpointed block once for each."""
+
+    def __init__(
+        self, block: nn.Module, inner: contextlib.AbstractContextManager[Any], meter: ActivationMeter | None
+    ) -> None:
+        self.block, self.inner, self.meter = block, inner, meter
+        self.entered: list[contextlib.AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        context = _recomputation(self.block, self.inner, self.meter)
+        self.entered.append(context)
+        context.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.entered.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager

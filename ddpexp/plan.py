@@ -68,6 +68,9 @@ class Plan:
     # trainer.precision (fp32, bf16, fp16): a strategy that casts parameters itself (FSDP's mixed-precision
     # policy) decides from it whether the engine autocasts.
     precision: str = "fp32"
+    # trainer.activation_checkpointing: a strategy whose backward runs twice over a block (a zero-bubble
+    # pipeline schedule) refuses the modes that allow one.
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         if not self.data_parallel:  # a plan.json written before data layouts existed

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from . import strategies
-from .config import Device, InitMethod, Mode, Precision
+from .config import ActivationCheckpointing, Device, InitMethod, Mode, Precision
 from .errors import UserError, require_positive
 from .plan import ExternalWorld, HostFacts, Plan
 
@@ -81,6 +81,7 @@ def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None
         shard_of_rank=layout,
         pinned_devices=strategy.pinned_devices() if device_type == "cuda" else (),
         precision=Precision.of(cfg.trainer.precision).name,
+        activation_checkpointing=ActivationCheckpointing(cfg.trainer.activation_checkpointing).value,
     )
     strategy.check(plan=result, host=host)
     why = strategy.fp16_conflict(world_size=world) if cfg.trainer.precision == Precision.fp16 else None

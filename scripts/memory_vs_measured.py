@@ -51,6 +51,14 @@ CASES: list[tuple[str, list[str]]] = [
     ("gpt_tiny zero W2", [*GPT, "strategy=zero", "dist.nprocs=2"]),
     ("gpt_tiny fsdp W4", [*GPT, "strategy=fsdp", "dist.nprocs=4"]),
     ("gpt_tiny pipeline W2", [*GPT, "strategy=pipeline"]),
+    *[
+        (f"gpt_tiny pipeline W2 {schedule}", [*GPT, "strategy=pipeline", f"strategy.schedule={schedule}"])
+        for schedule in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+    ],
+    (
+        "gpt_tiny pipeline W2 zbv ac=full",
+        [*GPT, "strategy=pipeline", "strategy.schedule=zbv", "trainer.activation_checkpointing=full"],
+    ),
     ("gpt_tiny nd_2d W4", [*GPT, "strategy=nd_2d", "dist.nprocs=4"]),
     ("gpt_tiny nd_2d_sp W4", [*GPT, "strategy=nd_2d_sp", "dist.nprocs=4"]),
     (
@@ -60,6 +68,13 @@ CASES: list[tuple[str, list[str]]] = [
     ("gpt_tiny nd_hsdp W4", [*GPT, "strategy=nd_hsdp", "dist.nprocs=4"]),
     ("gpt_tiny nd_pp_fsdp W4", [*GPT, "strategy=nd_pp_fsdp", "dist.nprocs=4"]),
     ("gpt_tiny nd_pp_tp W4", [*GPT, "strategy=nd_pp_tp", "dist.nprocs=4"]),
+    *[
+        (
+            f"gpt_tiny nd_pp_fsdp W4 {schedule}",
+            [*GPT, "strategy=nd_pp_fsdp", "dist.nprocs=4", f"strategy.schedule={schedule}"],
+        )
+        for schedule in ("interleaved_1f1b", "zbv")
+    ],
 ]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ddpexp import cli
 
+GPT_LM = ["model=gpt_tiny", "data=python_stdlib", "task=lm"]  # 4 stages: embedding, 2 blocks, head
 REFUSALS = [
     # (overrides, words the one-line error must contain)
     (["task=regression"], ["task=regression", "class labels", "task=classification"]),
@@ -93,6 +94,36 @@ REFUSALS = [
         ["1F1B", "strategy.microbatches>=2", "strategy.schedule=gpipe"],
     ),
     (["strategy=pipeline", "strategy.schedule=zb"], ["strategy.schedule", "gpipe, 1f1b"]),
+    (
+        ["strategy=pipeline", "strategy.schedule=zbv", "strategy.stages_per_rank=3"],
+        ["zbv runs exactly 2 stages per rank", "strategy.stages_per_rank", "interleaved_1f1b"],
+    ),
+    (
+        ["strategy=pipeline", "strategy.stages_per_rank=2"],
+        ["gpipe runs one stage per rank", "interleaved_1f1b"],
+    ),
+    (
+        ["strategy=pipeline", "strategy.schedule=zbv", "trainer.activation_checkpointing=selective", *GPT_LM],
+        ["trainer.activation_checkpointing", "backpropagated once", "=full", "interleaved_1f1b"],
+    ),
+    (
+        ["strategy=pipeline", "strategy.schedule=interleaved_1f1b", "model=mlp"],
+        ["at most 2 stages, not 2 x 2 per rank", "strategy.stages<=1", "fewer strategy.stages_per_rank"],
+    ),
+    (
+        ["strategy=nd", "strategy.pp=2", "strategy.schedule=dualpipev", "strategy.microbatches=2", *GPT_LM],
+        ["DualPipeV needs at least as many micro-batches as stages (2 ranks x 2) (4)", "microbatches>=4"],
+    ),
+    (
+        [
+            "strategy=pipeline",
+            "strategy.schedule=interleaved_1f1b",
+            "strategy.microbatches=5",
+            "trainer.batch_size=60",
+            *GPT_LM,
+        ],
+        ["rounds of 2", "strategy.microbatches=6"],
+    ),
     (["strategy=pipeline", "strategy.sync_bn=true"], ["strategy.sync_bn", "not in 'PipelineConfig'"]),
     (["strategy=ddp", "strategy.microbatches=4"], ["strategy.microbatches", "strategy=pipeline"]),
     (

@@ -42,6 +42,15 @@ MESHES: dict[str, tuple[int, list[str]]] = {
     "dp_replicate 2 x tp 2": (4, ["strategy.dp_replicate=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x tp 2": (4, ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x dp_shard 2, 1f1b": (4, ["strategy.pp=2", "strategy.dp_shard=2", "strategy.schedule=1f1b"]),
+    # Two stages a rank: FSDP over each stage's replicas in a loop, tensor parallelism inside a V.
+    "pp 2 x dp_shard 2, interleaved_1f1b": (
+        4,
+        ["strategy.pp=2", "strategy.dp_shard=2", "strategy.schedule=interleaved_1f1b"],
+    ),
+    "pp 2 x tp 2, zbv": (
+        4,
+        ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1", "strategy.schedule=zbv"],
+    ),
     "tp 2 loss parallel": (2, ["strategy.tp=2", "strategy.loss_parallel=true"]),
     "pp 2 x tp 2 sequence parallel, loss parallel": (
         4,

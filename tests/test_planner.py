@@ -76,6 +76,26 @@ def test_the_search_tries_the_settings_practitioners_tune(tmp_path: Path):
     assert not all(p["fits"] for p in tried)  # the whole batch in one micro-batch does not fit
 
 
+def test_a_schedule_s_step_takes_the_micro_batch_slots_of_its_bubble():
+    """nd's share of the work per rank: 1/(1 - the schedule's textbook bubble) slots per micro-batch,
+    for p = 2 ranks and m = 4 micro-batches 5/4 (1F1B), 9/8 (interleaved, two stages a rank), 1 (ZB-V)."""
+    from torch import nn
+
+    from ddpexp import strategies
+    from ddpexp.strategies.comm import Workload
+
+    job = Workload(model=nn.Linear(2, 2), devices=8, world=8, nodes=1, global_batch=64)
+    share = {
+        schedule: strategies.resolve(
+            {"name": "nd", "pp": 2, "dp_shard": -1, "microbatches": 4, "schedule": schedule}
+        ).compute_share(job=job)
+        for schedule in ("1f1b", "interleaved_1f1b", "zbv")
+    }
+    assert share["1f1b"] * 8 == pytest.approx(5 / 4)
+    assert share["interleaved_1f1b"] * 8 == pytest.approx(9 / 8)
+    assert share["zbv"] * 8 == pytest.approx(1.0)
+
+
 def test_a_layout_given_on_the_command_line_is_planned_as_given(tmp_path: Path):
     """strategy=... with its settings: one row, that layout, with its accumulation, checkpointing and
     compile as given; the verdict says whether it fits."""

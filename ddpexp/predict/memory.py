@@ -204,33 +204,57 @@ def predict(
         blocks,
         trace,
     )
-    out = []
-    for rank, h in enumerate(held):
+
+    def run_of(rank: int, h: Held, extra: int | None) -> Run:
         key = (common, runner.key(h))
         if key not in runs:
             if blocks is None:
-                runs[key] = runner.run(strategy, job, rank, h, None if on_meta else model)
+                runs[key] = runner.run(strategy, job, rank, h, None if on_meta else model, extra=extra)
             else:
                 two, three = (runner.run(strategy, job, rank, h, None, layers=k) for k in (2, 3))
                 runs[key] = two.extended(three, blocks)
-        run = runs[key]
+        return runs[key]
+
+    out = []
+    for rank, h in enumerate(held):
+        # A rank running several pipeline stages holds each stage's activations in flight at its peak,
+        # and computes all of them a micro-batch.
+        each = [(run_of(rank, h, None), h)] + [(run_of(rank, e, i), e) for i, e in enumerate(h.extra)]
+        run = each[0][0]
+        work = run.work
+        if len(each) > 1 and all(r.work is not None for r, _ in each):
+            work = Work(tuple(part for r, _ in each if r.work is not None for part in r.work.parts))
         out.append(
             RankMemory(
                 rank,
                 float(h.params),
                 float(h.grads),
                 float(h.optimized * states),
-                run.saved * h.in_flight,
+                _activations([r for r, _ in each], h),
                 float(h.copies),
                 float(h.params if h.in_step is None else h.in_step),
-                run.transient,
-                run.work,
+                max(r.transient for r, _ in each),
+                work,
                 float(h.buffers),
                 float(h.samples),
                 float(h.slots),
             )
         )
     return out
+
+
+def _activations(runs: list[Run], h: Held) -> float:
+    """What a rank's stages hold for their backwards at its peak: each stage's micro-batch times those
+    in flight on it and what split backwards keep of those done, at the point of the schedule where they
+    weigh most (Held.timeline)."""
+    # One backward runs at a time: what it adds while it runs (a recomputation) counts once.
+    running = max(r.saved - r.between for r in runs)
+    if h.timeline is None:
+        return running + sum(r.between * x.in_flight for r, x in zip(runs, [h, *h.extra], strict=True))
+    return running + max(
+        sum(r.between * live + r.kept * done for r, (live, done) in zip(runs, point, strict=True))
+        for point in h.timeline
+    )
 
 
 def _blocks(cfg: Any) -> int | None:
@@ -247,6 +271,16 @@ class Run:
     saved: float
     transient: float
     work: Work | None = None
+    # Of `saved`, what stays held once the weights' gradients are computed, where the backward is split
+    # into the inputs' and the weights' (Held.split_backward): it goes with the schedule's step.
+    kept: float = 0.0
+    # What is held between the forward and the backward (`saved` less what the backward itself adds
+    # while it runs: a checkpointed block's recomputation); None: `saved`.
+    stored: float | None = None
+
+    @property
+    def between(self) -> float:
+        return self.saved if self.stored is None else self.stored
 
     def extended(self, three: Run, blocks: int) -> Run:
         """This run (of two blocks) and `three` (of three) extended to `blocks` along their line: the
@@ -259,7 +293,11 @@ class Run:
                 tuple((t, w * a) for t, w in self.work.parts) + tuple((t, w * b) for t, w in two.work.parts)
             )
         return Run(
-            max(0.0, a * self.saved + b * two.saved), max(0.0, a * self.transient + b * two.transient), work
+            max(0.0, a * self.saved + b * two.saved),
+            max(0.0, a * self.transient + b * two.transient),
+            work,
+            max(0.0, a * self.kept + b * two.kept),
+            max(0.0, a * self.between + b * two.between),
         )
 
 
@@ -309,7 +347,7 @@ class _Runner:
         loss and dtype."""
         chain = None if h.chain is None else tuple(_structure(part) for part in h.chain)
         split = None if h.split is None else (h.split_key if h.split_key is not None else id(h.split))
-        return (chain, h.samples, h.loss, split, bool(h.loss_context), h.param_dtype)
+        return (chain, h.samples, h.loss, split, bool(h.loss_context), h.param_dtype, h.split_backward)
 
     def run(
         self,
@@ -320,9 +358,11 @@ class _Runner:
         model: nn.Module | None,
         *,
         layers: int | None = None,
+        extra: int | None = None,
     ) -> Run:
         """Rank `rank`'s micro-batch: on `model` where it runs the model as built and stored, else on a
-        copy built for it (of `layers` blocks; split as the rank splits it; in its compute dtype)."""
+        copy built for it (of `layers` blocks; split as the rank splits it; in its compute dtype);
+        `extra`: of the rank's further stage of that number (Held.extra)."""
         chain = h.chain
         if model is None or h.split is not None or h.param_dtype is not None:
             split = None if h.split is None else (h.split_key if h.split_key is not None else id(h.split))
@@ -333,7 +373,8 @@ class _Runner:
                     h.split(copy)
                 self._models[built] = (copy, strategy.held(job=dataclasses.replace(job, model=copy)))
             model, held = self._models[built]
-            chain = held[rank].chain
+            mine = held[rank] if extra is None else held[rank].extra[extra]
+            chain = mine.chain
         parts = (model,) if chain is None else chain
         if not parts or round(h.samples) < 1:
             return Run(0.0, 0.0, Work(()) if self.trace else None)
@@ -346,6 +387,7 @@ class _Runner:
             h.loss,
             h.split is None,
             h.param_dtype,
+            h.split_backward,
         )
         if chain is not None and same in self._by_structure:
             return self._by_structure[same]
@@ -413,14 +455,32 @@ class _Runner:
                     out = own(x)
                 with phase("forward"):
                     loss = self.task.loss(out, _targets(self.info, out, batch)) if h.loss else None
+                stored = float(self.meter.held_bytes)
                 with phase("backward"):
-                    if loss is not None:
+                    kept = 0.0
+                    if h.split_backward:
+                        kept = _split_backward(own, x, out, loss, self.meter)
+                    elif loss is not None:
                         loss.backward()
                     else:
                         out.backward(torch.ones_like(out))
         saved = float(self.meter.peak_bytes or 0)
         work = Work(((tracer.trace, 1.0),)) if tracer is not None else None
-        return Run(saved, max(0.0, live.peak - saved), work)
+        return Run(saved, max(0.0, live.peak - saved), work, kept, min(stored, saved))
+
+
+def _split_backward(
+    own: nn.Module, x: torch.Tensor, out: torch.Tensor, loss: torch.Tensor | None, meter: ActivationMeter
+) -> float:
+    """A zero-bubble schedule's backward, as torch.distributed.pipelining runs it: the inputs'
+    gradients (keeping the graph for the weights'), then the weights'; what the meter still counts
+    held after the weights' is what the stage keeps until its step ends."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    outputs, grads = ([loss], None) if loss is not None else ([out], [torch.ones_like(out)])
+    _, groups = stage_backward_input(outputs, grads, [x], own.parameters())
+    stage_backward_weight(own.parameters(), groups)
+    return float(meter.held_bytes)
 
 
 def _handed_on(part: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -487,6 +547,7 @@ def _fake_process_group(world: int) -> None:
         if _fake_world is None:
             raise RuntimeError("memory is predicted outside a distributed run (a process group is in force)")
         dist.destroy_process_group()
+    if _fake_world is not None:  # replaced, or destroyed by a run in this process since
         _clear_dtensor_caches()
     size = max(world, FAKE_WORLD)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
@@ -496,14 +557,31 @@ def _fake_process_group(world: int) -> None:
 FAKE_WORLD = 1 << 16  # ranks of the fake process group: more than any cluster planned
 
 
+def fresh_fake_process_group() -> None:
+    """Start the next prediction on a new fake process group, DTensor's caches cleared: a caller that
+    predicts many layouts (the planner) calls it first, so that nothing done in this process since
+    the last one (its groups destroyed, a run's own process group) is found again."""
+    global _fake_world
+    import torch.distributed as dist
+
+    if _fake_world is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    if _fake_world is not None:
+        _clear_dtensor_caches()
+    _fake_world = None
+
+
 def _clear_dtensor_caches() -> None:
+    """DTensor's caches of plans, keyed by device mesh: meshes of equal shape compare equal, so a plan
+    cached under an earlier process group would run on that one's groups, gone with it."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
 
 
 def _targets(info: Any, out: torch.Tensor, batch: int) -> torch.Tensor:

@@ -355,6 +355,17 @@ class Held:
     # Micro-batch slots its critical path takes per micro-batch it runs: a pipeline's bubble, (m + p - 1)
     # / m for m micro-batches over p stages; 1 where nothing waits.
     slots: float = 1.0
+    # The further pipeline stages it runs (several stages per rank), each with its own chain, in-flight
+    # micro-batches and loss; their parameters, gradients and optimizer state are counted in this one's.
+    extra: tuple[Held, ...] = ()
+    # With extra stages: (micro-batches in flight, micro-batches whose split backward is done) on each
+    # of its stages ([self, *extra]) after each computation of its step (pipeline.stage.in_flight); its
+    # peak is the point whose activations weigh most (None: each stage's in_flight at once).
+    timeline: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    # Whether its backward is split into the inputs' and the weights' gradients (the zero-bubble
+    # schedules): each stage keeps part of a micro-batch's activations until the step ends, and its
+    # timeline counts (in flight, done) per stage.
+    split_backward: bool = False
 
     @classmethod
     def replica(cls, model: nn.Module, samples: float, **changes: Any) -> Held:

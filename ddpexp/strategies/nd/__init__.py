@@ -41,7 +41,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +73,15 @@ from ..fsdp import (
     unit_shards,
     units_and_ties,
 )
-from ..pipeline import check_microbatches, check_stages, schedule_slots, stage_held
-from ..pipeline.stage import Schedule, StageLayout, StageRunner
+from ..pipeline import (
+    Pipe,
+    check_microbatches,
+    check_schedule,
+    check_stages,
+    schedule_slots,
+    stage_held,
+)
+from ..pipeline.stage import Schedule, StageLayout, StageRunner, stages_per_rank
 from . import tensor_parallel
 from .degrees import NAMES, Degrees, resolve
 
@@ -104,9 +111,12 @@ class NdConfig(StrategyConfig):
     # FSDP: free gathered parameters after each unit's forward (gathered again for backward). With
     # pp > 1 parameters stay gathered until the step's last micro-batch's backward, whatever this says.
     reshard_after_forward: bool = True
-    # pp > 1: micro-batches each per-rank batch is cut into, and their schedule (gpipe | 1f1b).
+    # pp > 1: micro-batches each per-rank batch is cut into, their schedule (gpipe | 1f1b |
+    # interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev: strategy=pipeline's) and the stages
+    # each pp rank runs (null: the schedule's, 1 or 2).
     microbatches: int = 4
     schedule: Schedule = Schedule.gpipe
+    stages_per_rank: int | None = None
     # With dp > 1, the dtype FSDP gathers parameters and computes in (null: trainer.precision's, so bf16
     # training gathers bf16 and does not autocast; fp32: as stored) and reduces gradients in: fsdp's.
     mixed_precision: MixedPrecision | None = None
@@ -156,14 +166,18 @@ class Nd(Strategy[NdConfig]):
     def check(self, *, plan: Plan, host: HostFacts) -> None:
         degrees = self.degrees(plan.world_size)
         if degrees.pp > 1:
-            check_microbatches(plan, self.settings.microbatches, self.settings.schedule, degrees.pp)
+            s = self.settings
+            checkpointing = plan.activation_checkpointing
+            check_schedule(s.schedule, degrees.pp, s.stages_per_rank, checkpointing=checkpointing)
+            check_microbatches(plan, s.microbatches, s.schedule, degrees.pp, s.stages_per_rank)
         for setting in ("sequence_parallel", "loss_parallel"):
             if getattr(self.settings, setting) and degrees.tp == 1:
                 log.warning("strategy.%s=true with tp=1 splits nothing: it changes nothing", setting)
 
     def check_model(self, model: nn.Module) -> None:
         if self.settings.pp > 1:
-            check_stages(model, self.settings.pp, setting="strategy.pp")
+            per_rank = self._pipe(self.settings.pp).per_rank
+            check_stages(model, self.settings.pp * per_rank, setting="strategy.pp", per_rank=per_rank)
         if self.settings.tp > 1:  # a model without a plan (or one without loss_parallel) is refused
             self._plan(model, self.settings.tp)
 
@@ -205,14 +219,20 @@ class Nd(Strategy[NdConfig]):
             layout = StageLayout(
                 stage=at["pp"],
                 stages=degrees.pp,
-                prev=ctx.rank - stride,
-                next=ctx.rank + stride,
+                ranks=tuple(ctx.rank + (place - at["pp"]) * stride for place in range(degrees.pp)),
                 pipe_group=mesh["pp"].get_group(),
                 owner=at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0,
             )
             s = self.settings
             stage = StageRunner(
-                model, layout, s.microbatches, s.schedule, ctx=ctx, prepare=parallelise, local_norm=_norm
+                model,
+                layout,
+                s.microbatches,
+                s.schedule,
+                ctx=ctx,
+                per_rank=self._pipe(degrees.pp).per_rank,
+                prepare=parallelise,
+                local_norm=_norm,
             )
             trained: nn.Module = stage
         else:
@@ -221,10 +241,10 @@ class Nd(Strategy[NdConfig]):
             trained = model
         no_sync: Any = contextlib.nullcontext
         if degrees.dp > 1:
-            fsdp: Any = trained if stage is None else stage.part
-            no_sync = lambda: no_grad_sync(fsdp)  # noqa: E731
+            roots: list[Any] = [trained] if stage is None else stage.parts
+            no_sync = lambda: _no_grad_sync(roots)  # noqa: E731
             if meter is not None:
-                meter = _fsdp_meter(fsdp, hsdp=degrees.dp_replicate > 1)
+                meter = _fsdp_meter(trained if stage is None else stage.part, hsdp=degrees.dp_replicate > 1)
         if stage is not None:
             stage.meter_sends(meter)
         scores = at["tp"] == 0 and (stage is None or stage.is_last)
@@ -300,7 +320,12 @@ class Nd(Strategy[NdConfig]):
         """Each data shard's work (1/dp of the batch) split over the tp ranks and the pp stages; with
         stages, in m + pp - 1 micro-batch slots for m micro-batches: the bubble, as pipeline's."""
         degrees = self.degrees(job.world)
-        bubble = schedule_slots(self.settings.microbatches, degrees.pp) if degrees.pp > 1 else 1.0
+        s = self.settings
+        bubble = (
+            schedule_slots(s.microbatches, degrees.pp, s.schedule, s.stages_per_rank)
+            if degrees.pp > 1
+            else 1.0
+        )
         return bubble / (degrees.dp * degrees.tp * degrees.pp)
 
     def held(self, *, job: Workload) -> list[Held]:
@@ -312,7 +337,8 @@ class Nd(Strategy[NdConfig]):
         degrees = self.degrees(job.world)
         plan = self._plan(job.model, degrees.tp)
         dims = tensor_parallel.split_dims(job.model, plan)
-        stages = group(model_stages(job.model), degrees.pp) if degrees.pp > 1 else [job.model]
+        pipe = self._pipe(degrees.pp)
+        stages = group(model_stages(job.model), pipe.count) if degrees.pp > 1 else [job.model]
         chunks = self.settings.microbatches if degrees.pp > 1 else 1
         samples = job.global_batch / degrees.dp / job.accumulate / chunks
         reshard = self.settings.reshard_after_forward and degrees.pp == 1
@@ -332,14 +358,11 @@ class Nd(Strategy[NdConfig]):
             place = (at["pp"], at["tp"], at["dp_shard"])
             if place not in held:
                 if at["pp"] not in per_stage:  # what does not depend on the rank's chunks, once a stage
-                    part = stages[at["pp"]]
-                    params = list(part.parameters())
+                    runs = pipe.mine(at["pp"]) if degrees.pp > 1 else [0]
+                    params = [p for index in runs for p in stages[index].parameters()]
                     ids = {id(p) for p in params}
                     if degrees.pp > 1:
-                        s = self.settings
-                        base = stage_held(
-                            stages, at["pp"], samples=samples, microbatches=chunks, schedule=s.schedule
-                        )
+                        base = stage_held(stages, pipe, at["pp"], samples=samples)
                     else:
                         base = Held.replica(job.model, samples)
                     per_stage[at["pp"]] = (params, base, [[p for p in u if id(p) in ids] for u in units])
@@ -356,6 +379,12 @@ class Nd(Strategy[NdConfig]):
                 if degrees.dp_shard > 1:
                     in_step, buffers = gathered_bytes(mine_units, mixed, reshard=reshard, shapes=shapes)
                     buffers += 0 if reshard else sharded
+                how: dict[str, Any] = {
+                    "split": split,
+                    "split_key": split_key,
+                    "loss_context": loss_context,
+                    "param_dtype": mixed.param,
+                }
                 held[place] = replace(
                     base,
                     params=sharded,
@@ -363,13 +392,15 @@ class Nd(Strategy[NdConfig]):
                     optimized=trained,
                     in_step=in_step,
                     buffers=buffers,
-                    split=split,
-                    split_key=split_key,
-                    loss_context=loss_context,
-                    param_dtype=mixed.param,
+                    extra=tuple(replace(e, **how) for e in base.extra),
+                    **how,
                 )
             out.append(held[place])
         return out
+
+    def _pipe(self, pp: int) -> Pipe:
+        s = self.settings
+        return Pipe(s.schedule, pp, s.microbatches, stages_per_rank(s.schedule, s.stages_per_rank))
 
     def _tensor_split(self, degrees: Degrees) -> Callable[[nn.Module], None]:
         """Tensor parallelism's split of a model, on this job's mesh (of the process group in force)."""
@@ -428,9 +459,10 @@ class Nd(Strategy[NdConfig]):
         if pp == 1:
             return out
         out = [replace(c, bytes=c.bytes / pp, calls=c.calls / pp, counted=c.counted / pp) for c in out]
-        parts = group(model_stages(job.model), pp)
-        sizes = boundary_bytes(parts, job, job.global_batch / passes / degrees.dp)
-        slots = 2 * (chunks + pp - 1) * job.accumulate
+        pipe = self._pipe(pp)
+        parts = group(model_stages(job.model), pipe.count)
+        sizes = pipe.crossing(boundary_bytes(parts, job, job.global_batch / passes / degrees.dp))
+        slots = 2 * (chunks * pipe.per_rank + pp - 1) * job.accumulate
         what = "activations and their gradients between stages, per micro-batch slot"
         # Each tp rank sends its counterpart's copy; with sequence parallelism only its part of the sequence.
         part = degrees.tp if degrees.tp > 1 and self.settings.sequence_parallel else 1
@@ -507,6 +539,15 @@ def _stage_buffers(part: nn.Module, degrees: Degrees, stage: int) -> Callable[[]
                 dist.broadcast(b, src=first, group=group)
 
     return sync
+
+
+@contextlib.contextmanager
+def _no_grad_sync(roots: list[Any]) -> Iterator[None]:
+    """fsdp's no_grad_sync over each FSDP root (a pipeline rank's stages are one root each)."""
+    with contextlib.ExitStack() as stack:
+        for root in roots:
+            stack.enter_context(no_grad_sync(root))
+        yield
 
 
 def _fsdp_meter(model: nn.Module, *, hsdp: bool) -> CommMeter:

@@ -45,7 +45,18 @@ from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, ReportColumn, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Held, Workload
 from ..ddp_mp import boundary_bytes, group, model_stages, refuse_ties_across
-from .stage import Schedule, StageLayout, StageRunner
+from .stage import (
+    MULTI,
+    V_SHAPED,
+    Schedule,
+    StageLayout,
+    StageRunner,
+    bubble_textbook,
+    in_flight,
+    splits_backward,
+    stage_ranks,
+    stages_per_rank,
+)
 
 if TYPE_CHECKING:
     from ...context import RunContext
@@ -57,8 +68,14 @@ class PipelineConfig(StrategyConfig):
     # Processes in one pipeline: the model's stages() are grouped into this many consecutive parts.
     stages: int = 2
     # gpipe: every micro-batch's forward, then every backward | 1f1b: alternate once the pipe is full
-    # (fewer activations alive; needs microbatches >= stages).
+    # (fewer activations alive; needs microbatches >= stages) | interleaved_1f1b: 1F1B over several
+    # stages per rank in a loop (a smaller bubble) | interleaved_zero_bubble: that, with each backward
+    # split into the inputs' and the weights' gradients, the latter filling the bubble | zbv, dualpipev:
+    # two stages per rank in a V, zero-bubble (ZB-V) or DeepSeek's DualPipeV.
     schedule: Schedule = Schedule.gpipe
+    # Stages each rank runs (the model is cut into stages x stages_per_rank parts); null: 1 for gpipe
+    # and 1f1b, 2 for the others (zbv and dualpipev need exactly 2).
+    stages_per_rank: int | None = None
     # Micro-batches each per-rank batch is cut into (it must divide the per-rank batch).
     microbatches: int = 4
     # Data-parallel copies of the whole pipeline: world size = stages x replicas.
@@ -92,14 +109,20 @@ class Pipeline(Strategy[PipelineConfig]):
         return [rank // self.settings.stages for rank in range(world_size)]
 
     def check(self, *, plan: Plan, host: HostFacts) -> None:
-        check_microbatches(plan, self.settings.microbatches, self.settings.schedule, self.settings.stages)
+        s = self.settings
+        check_schedule(s.schedule, s.stages, s.stages_per_rank, checkpointing=plan.activation_checkpointing)
+        check_microbatches(plan, s.microbatches, s.schedule, s.stages, s.stages_per_rank)
 
     def check_model(self, model: nn.Module) -> None:
-        check_stages(model, self.settings.stages, setting="strategy.stages")
+        s = self.settings
+        per_rank = stages_per_rank(s.schedule, s.stages_per_rank)
+        check_stages(model, s.stages * per_rank, setting="strategy.stages", per_rank=per_rank)
 
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
         s = self.settings
-        runner = StageRunner(model, layout_of(s, ctx.rank), s.microbatches, s.schedule, ctx=ctx)
+        per_rank = stages_per_rank(s.schedule, s.stages_per_rank)
+        layout = layout_of(s, ctx.rank)
+        runner = StageRunner(model, layout, s.microbatches, s.schedule, ctx=ctx, per_rank=per_rank)
         meter = CommMeter() if measure_comm else None
         runner.meter_sends(meter)
         return Wrapped(
@@ -126,21 +149,18 @@ class Pipeline(Strategy[PipelineConfig]):
         """Each stage computes 1/p of its replica's batch (1/replicas of the global batch), in m
         micro-batches, and the schedule takes m + p - 1 micro-batch slots (forward, then backward): the
         textbook bubble (p - 1)/(m + p - 1) of idle slots. Assumes equal stages."""
-        p, m = self.settings.stages, self.settings.microbatches
-        replicas = _replicas(self.settings, job.world)
-        return schedule_slots(m, p) / (p * replicas)
+        s = self.settings
+        replicas = _replicas(s, job.world)
+        slots = schedule_slots(s.microbatches, s.stages, s.schedule, s.stages_per_rank)
+        return slots / (s.stages * replicas)
 
     def held(self, *, job: Workload) -> list[Held]:
         """Each rank its stage's part of the model (rank = replica x stages + stage), `stage_held`."""
         s = self.settings
-        parts = group(model_stages(job.model), s.stages)
         samples = job.global_batch / s.replicas / job.accumulate / s.microbatches
-        return [
-            stage_held(
-                parts, rank % s.stages, samples=samples, microbatches=s.microbatches, schedule=s.schedule
-            )
-            for rank in range(job.world)
-        ]
+        pipe = Pipe(s.schedule, s.stages, s.microbatches, stages_per_rank(s.schedule, s.stages_per_rank))
+        parts = group(model_stages(job.model), pipe.count)
+        return [stage_held(parts, pipe, rank % s.stages, samples=samples) for rank in range(job.world)]
 
     def communication(self, *, job: Workload) -> list[Collective]:
         """Activations forward and their gradients backward across the widest stage boundary, one
@@ -150,12 +170,14 @@ class Pipeline(Strategy[PipelineConfig]):
         p ranks on average. With replicas, each stage's gradient all-reduced over its replicas after
         the step, all stages at once (the largest bounds the time), counted as the meter counts it:
         every rank its stage's bytes, S/p on average."""
-        p, m = self.settings.stages, self.settings.microbatches
-        replicas = _replicas(self.settings, job.world)
-        parts = group(model_stages(job.model), p)
+        s = self.settings
+        p, m = s.stages, s.microbatches
+        replicas = _replicas(s, job.world)
+        pipe = Pipe(s.schedule, p, m, stages_per_rank(s.schedule, s.stages_per_rank))
+        parts = group(model_stages(job.model), pipe.count)
         micro = job.global_batch / job.accumulate / replicas / m
-        sizes = boundary_bytes(parts, job, micro)
-        slots = 2 * (m + p - 1) * job.accumulate
+        sizes = pipe.crossing(boundary_bytes(parts, job, micro))
+        slots = 2 * (m * pipe.per_rank + p - 1) * job.accumulate
         what = "activations and their gradients between stages, per micro-batch slot"
         if not sizes:
             what += "; their size unknown: latency only"
@@ -202,32 +224,124 @@ class Pipeline(Strategy[PipelineConfig]):
         _runner(wrapped).load_optimizer_state(optimizer, state)
 
 
-def schedule_slots(microbatches: int, stages: int) -> float:
-    """The micro-batch slots a schedule of m micro-batches over p stages takes, per micro-batch:
-    (m + p - 1) / m, the textbook bubble (forward, then backward) on top of the work."""
-    return (microbatches + stages - 1) / microbatches
+GPIPE = Schedule("gpipe")
 
 
-def stage_held(
-    parts: list[nn.Module], stage: int, *, samples: float, microbatches: int, schedule: Schedule
-) -> Held:
-    """What the rank running `stage` of `parts` holds and computes: its part's parameters, and the
-    activations of the micro-batches its schedule keeps in flight: GPipe all of them (every forward
-    before any backward), 1F1B those of its warm-up, min(m, stages - stage)."""
-    in_flight = microbatches if schedule == Schedule("gpipe") else min(microbatches, len(parts) - stage)
-    last = stage == len(parts) - 1
+@dataclass(frozen=True)
+class Pipe:
+    """A pipeline's shape: its schedule over `ranks` ranks of m micro-batches, `per_rank` stages each."""
+
+    schedule: Schedule
+    ranks: int
+    microbatches: int
+    per_rank: int = 1
+
+    @property
+    def count(self) -> int:
+        """The model's parts: ranks x per_rank stages."""
+        return self.ranks * self.per_rank
+
+    def mine(self, rank: int) -> list[int]:
+        """The stages pipeline rank `rank` runs."""
+        return [
+            s
+            for s, owner in enumerate(stage_ranks(self.schedule, self.ranks, self.per_rank))
+            if owner == rank
+        ]
+
+    def crossing(self, sizes: list[int]) -> list[int]:
+        """The bytes of each stage boundary (one per pair of consecutive stages) that crosses ranks: a V
+        schedule's turn, stage p - 1 to p on the last rank, hands its activations on in place."""
+        owner = stage_ranks(self.schedule, self.ranks, self.per_rank)
+        return [size for index, size in enumerate(sizes) if owner[index] != owner[index + 1]]
+
+
+def schedule_slots(
+    microbatches: int, stages: int, schedule: Schedule = GPIPE, per_rank: int | None = None
+) -> float:
+    """The micro-batch slots a schedule's step takes per micro-batch of work: 1 / (1 - its textbook
+    bubble), (m + p - 1) / m for GPipe and 1F1B (`bubble_textbook`)."""
+    v = stages_per_rank(schedule, per_rank)
+    return 1.0 / (1.0 - bubble_textbook(schedule, ranks=stages, microbatches=microbatches, per_rank=v))
+
+
+def stage_held(parts: list[nn.Module], pipe: Pipe, rank: int, *, samples: float) -> Held:
+    """What pipeline rank `rank` holds and computes: its stages' parts' parameters, and the activations
+    of the micro-batches its schedule keeps in flight on each of them (`in_flight`: at the point of
+    its step where they weigh most); a stage after the first it runs is an `extra` of the first's."""
+    timeline = in_flight(
+        pipe.schedule, ranks=pipe.ranks, microbatches=pipe.microbatches, per_rank=pipe.per_rank, rank=rank
+    )
+    slots = schedule_slots(pipe.microbatches, pipe.ranks, pipe.schedule, pipe.per_rank)
+    mine = pipe.mine(rank)
+    peak = tuple(max(counts[i][0] for counts in timeline) for i in range(len(mine)))
+    split = splits_backward(pipe.schedule)
+    each = [
+        Held.replica(
+            parts[index],
+            samples,
+            chain=tuple(parts[: index + 1]),
+            in_flight=count,
+            loss=index == len(parts) - 1,
+            slots=slots,
+            split_backward=split,
+        )
+        for index, count in zip(mine, peak, strict=True)
+    ]
+    if len(each) == 1:
+        return each[0]
+    first = each[0]
     return Held.replica(
-        parts[stage],
+        nn.ModuleList([parts[index] for index in mine]),
         samples,
-        chain=tuple(parts[: stage + 1]),
-        in_flight=in_flight,
-        loss=last,
-        slots=schedule_slots(microbatches, len(parts)),
+        chain=first.chain,
+        in_flight=first.in_flight,
+        loss=first.loss,
+        slots=slots,
+        extra=tuple(each[1:]),
+        timeline=timeline,
+        split_backward=split,
     )
 
 
-def check_microbatches(plan: Plan, micro: int, schedule: Schedule, stages: int) -> None:
-    """Refuse micro-batches that do not split the per-rank batch, or too few for 1F1B."""
+def check_schedule(schedule: Schedule, ranks: int, per_rank: int | None, *, checkpointing: str) -> None:
+    """Refuse stages per rank the schedule cannot run (fewer than 1; other than 2 for a V schedule; more
+    than 1 for GPipe and 1F1B, which run one stage a rank), and selective activation checkpointing
+    under a schedule that splits backwards: torch allows one backward through a selectively
+    checkpointed block, and the split runs two (the inputs', then the weights')."""
+    if splits_backward(schedule) and checkpointing.startswith("selective"):
+        raise UserError(
+            f"{schedule} splits each backward in two (the inputs' gradients, then the weights'), and "
+            f"torch's selective checkpointing lets a block be backpropagated once",
+            setting="trainer.activation_checkpointing",
+            fix="use trainer.activation_checkpointing=full (or none), or strategy.schedule=interleaved_1f1b",
+        )
+    if per_rank is None:
+        return
+    if per_rank < 1:
+        raise UserError(
+            f"strategy.stages_per_rank={per_rank}: a rank runs at least one stage",
+            setting="strategy.stages_per_rank",
+            fix="use strategy.stages_per_rank>=1, or drop it",
+        )
+    if schedule in V_SHAPED and per_rank != 2:
+        raise UserError(
+            f"{schedule} runs exactly 2 stages per rank (a V), not {per_rank}",
+            setting="strategy.stages_per_rank",
+            fix="drop strategy.stages_per_rank, or use strategy.schedule=interleaved_1f1b for other counts",
+        )
+    if schedule not in MULTI and per_rank != 1:
+        raise UserError(
+            f"{schedule} runs one stage per rank, not {per_rank}",
+            setting="strategy.stages_per_rank",
+            fix="use strategy.schedule=interleaved_1f1b or interleaved_zero_bubble for several stages a rank",
+        )
+
+
+def check_microbatches(
+    plan: Plan, micro: int, schedule: Schedule, stages: int, per_rank: int | None = None
+) -> None:
+    """Refuse micro-batches that do not split the per-rank batch, or too few for the schedule."""
     batch = plan.per_rank_batch
     if batch % micro:
         divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
@@ -238,23 +352,38 @@ def check_microbatches(plan: Plan, micro: int, schedule: Schedule, stages: int) 
             fix=f"use strategy.microbatches={divisor} (a divisor of {batch}), or "
             f"trainer.batch_size={_round_up(plan.global_batch, micro * per_batch)}",
         )
-    if schedule == Schedule("1f1b") and micro < stages:
+    least = {Schedule("1f1b"): stages, Schedule("dualpipev"): 2 * stages}.get(schedule, 0)
+    if micro < least:
+        name, what = ("1F1B", "stages") if least == stages else ("DualPipeV", f"stages ({stages} ranks x 2)")
         raise UserError(
-            f"1F1B needs at least as many micro-batches as stages ({stages}), got {micro}",
+            f"{name} needs at least as many micro-batches as {what} ({least}), got {micro}",
             setting="strategy.microbatches",
-            fix=f"use strategy.microbatches>={stages}, or strategy.schedule=gpipe",
+            fix=f"use strategy.microbatches>={least}, or strategy.schedule=gpipe",
         )
+    if schedule in (Schedule("interleaved_1f1b"), Schedule("interleaved_zero_bubble")):
+        rounds = max(1, micro // stages)
+        if micro % rounds:
+            nearest = _round_up(micro, stages)
+            raise UserError(
+                f"{schedule} runs micro-batches in rounds of {stages} (the ranks): {micro} is not a "
+                f"multiple of its {rounds} rounds",
+                setting="strategy.microbatches",
+                fix=f"use strategy.microbatches={nearest} (a multiple of the {stages} ranks), "
+                f"or at most {stages}",
+            )
 
 
-def check_stages(model: nn.Module, count: int, *, setting: str) -> None:
+def check_stages(model: nn.Module, count: int, *, setting: str, per_rank: int = 1) -> None:
     """Refuse a model that does not split into `count` stages covering every layer, or with a weight
-    tied across two of them (`setting`: the degree that asks for the stages)."""
+    tied across two of them (`setting`: the degree that asks for the stages; `per_rank` stages each)."""
     stages = model_stages(model)
     if len(stages) < count:
+        each = f" x {per_rank} per rank" if per_rank > 1 else ""
         raise UserError(
-            f"{type(model).__name__} splits into at most {len(stages)} stages, not {count}",
+            f"{type(model).__name__} splits into at most {len(stages)} stages, not {count // per_rank}{each}",
             setting=setting,
-            fix=f"use {setting}<={len(stages)}",
+            fix=f"use {setting}<={max(len(stages) // per_rank, 1)}"
+            + (", or fewer strategy.stages_per_rank" if per_rank > 1 else ""),
         )
     outside = _outside_stages(model, stages)
     if outside:
@@ -284,7 +413,8 @@ def layout_of(settings: PipelineConfig, rank: int) -> StageLayout:
     stages, replicas = settings.stages, settings.replicas
     stage, replica = rank % stages, rank // stages
     pipe_group, dp_group = _make_groups(stages, replicas, stage=stage, replica=replica)
-    return StageLayout(stage, stages, rank - 1, rank + 1, pipe_group, dp_group, stage, replica == 0)
+    ranks = tuple(replica * stages + s for s in range(stages))
+    return StageLayout(stage, stages, ranks, pipe_group, dp_group, stage, replica == 0)
 
 
 # --------------------------------------------------------------------------- helpers

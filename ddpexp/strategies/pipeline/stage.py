@@ -28,21 +28,141 @@ if TYPE_CHECKING:
 
 
 # The member name is what Hydra matches (strategy.schedule=1f1b), so the functional form.
-Schedule = StrEnum("Schedule", [("gpipe", "gpipe"), ("1f1b", "1f1b")])
+Schedule = StrEnum(
+    "Schedule",
+    [
+        ("gpipe", "gpipe"),
+        ("1f1b", "1f1b"),
+        ("interleaved_1f1b", "interleaved_1f1b"),
+        ("interleaved_zero_bubble", "interleaved_zero_bubble"),
+        ("zbv", "zbv"),
+        ("dualpipev", "dualpipev"),
+    ],
+)
+# Schedules that run several stages on each rank (torch's PipelineScheduleMulti), and of those the
+# ones whose stages fold back in a V (rank r holds stages r and 2p - 1 - r) and need exactly two.
+MULTI = frozenset(Schedule(n) for n in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"))
+V_SHAPED = frozenset(Schedule(n) for n in ("zbv", "dualpipev"))
+
+
+def stages_per_rank(schedule: Schedule, asked: int | None) -> int:
+    """The stages each rank runs: what strategy.stages_per_rank asks, else 1 for the single-stage
+    schedules and 2 for the others."""
+    if asked is not None:
+        return asked
+    return 2 if schedule in MULTI else 1
+
+
+def stage_ranks(schedule: Schedule, ranks: int, per_rank: int) -> list[int]:
+    """The pipeline rank running each of the ranks x per_rank stages: in a loop (stage s on rank s mod
+    p), or in a V (down the ranks, then back up), as torch's generate_stage_to_rank_mapping places them."""
+    if schedule not in V_SHAPED:
+        return [s % ranks for s in range(ranks * per_rank)]
+    return [s % ranks if (s // ranks) % 2 == 0 else ranks - 1 - s % ranks for s in range(ranks * per_rank)]
+
+
+def bubble_textbook(schedule: Schedule, *, ranks: int, microbatches: int, per_rank: int) -> float:
+    """The idle share of a rank's step the schedule's paper gives, for p ranks, m micro-batches and v
+    stages per rank, assuming equal stages, free communication and a backward split into an input and
+    a weight part each as long as the forward (the zero-bubble papers' F = B = W):
+    GPipe and 1F1B (p - 1) / (m + p - 1); interleaved 1F1B (p - 1) / (v m + p - 1) (Megatron-LM's
+    bubble shrunk v-fold); interleaved zero bubble, ZB-H1 with v stages per rank, whose weight
+    backwards fill two thirds of 1F1B's bubble: (p - 1) / (3 v m + p - 1); ZB-V and DualPipeV 0 (both
+    papers' schedules are bubble-free when F = B = W)."""
+    p, m, v = ranks, microbatches, per_rank
+    if p == 1 or schedule in V_SHAPED:
+        return 0.0
+    if schedule == Schedule("interleaved_zero_bubble"):
+        return (p - 1) / (3 * v * m + p - 1)
+    if schedule == Schedule("interleaved_1f1b"):
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def in_flight(
+    schedule: Schedule, *, ranks: int, microbatches: int, per_rank: int, rank: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """For each stage on pipeline rank `rank` (in order), after each of its computations: (micro-batches
+    whose activations it holds for their backward, micro-batches whose weight gradients it has
+    computed after an input backward). GPipe holds all m at once (every forward before any backward),
+    1F1B those of its warm-up, min(m, p - rank); the multi-stage schedules as torch orders the rank's
+    actions (its pipeline_order, made with stand-ins for the stages): a forward adds its micro-batch
+    to the stage, a full backward takes it off, an input backward keeps it (the weights' gradient
+    needs it), and a weight backward moves it to the second count: what a split backward leaves
+    (memory.Run.kept) stays until the step ends. The rank's peak is the point that weighs most."""
+    p, m = ranks, microbatches
+    if schedule not in MULTI:
+        return (((m if schedule == Schedule("gpipe") else min(m, p - rank), 0),),)
+    mine = _mine(schedule, p, per_rank, rank)
+    live, done = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
+    points = []
+    for kind, stage in _actions(schedule, p, m, per_rank, rank):
+        if kind == "F":
+            live[stage] += 1
+        elif kind in ("B", "W"):
+            live[stage] -= 1
+            done[stage] += kind == "W"
+        points.append(tuple((live[s], done[s]) for s in mine))
+    return tuple(dict.fromkeys(points))
+
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether the schedule splits backwards into the inputs' and the weights' gradients."""
+    return schedule in (Schedule("interleaved_zero_bubble"), Schedule("zbv"), Schedule("dualpipev"))
+
+
+def _mine(schedule: Schedule, ranks: int, per_rank: int, rank: int) -> list[int]:
+    return [s for s, owner in enumerate(stage_ranks(schedule, ranks, per_rank)) if owner == rank]
+
+
+@functools.cache
+def _actions(
+    schedule: Schedule, ranks: int, microbatches: int, per_rank: int, rank: int
+) -> list[tuple[str, int]]:
+    """(F | I | W | B, stage) of each computation torch's schedule runs on `rank`, in order."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    count = ranks * per_rank
+    stand_ins = [
+        SimpleNamespace(
+            num_stages=count,
+            group_size=ranks,
+            group_rank=rank,
+            stage_index=index,
+            is_first=index == 0,
+            is_last=index == count - 1,
+            submod=nn.Identity(),
+            stage_index_to_group_rank=None,
+        )
+        for index in _mine(schedule, ranks, per_rank, rank)
+    ]
+    made = getattr(schedules, _SCHEDULE_CLASSES[schedule])(stand_ins, microbatches, loss_fn=_no_loss)
+    out: list[tuple[str, int]] = []
+    for action in made.pipeline_order[rank]:
+        if action is None:
+            continue
+        for one in action.sub_actions or (action,):
+            out.append((one.computation_type.value, one.stage_index))
+    return out
+
+
+def _no_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return outputs
 
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Where one rank's stage sits: its stage of `stages`, the global ranks it receives activations from
-    and sends them to, its pipeline's process group (None: the world is the pipeline), the group of
-    the same stage in every replica whose gradients the runner averages (None: no replicas, or the
-    part's own FSDP reduces them), that group's source rank, and whether this rank's copy of its part
-    is the one checkpoints hold (one rank per stage)."""
+    """Where one rank sits in its pipeline: its place `stage` of `stages` ranks, the global rank of each
+    place (whom evaluation's activations go to), its pipeline's process group (None: the world is the
+    pipeline), the group of the same place in every replica whose gradients the runner averages (None:
+    no replicas, or the parts' own FSDP reduces them), that group's source rank, and whether this
+    rank's copy of its parts is the one checkpoints hold (one rank per place)."""
 
     stage: int
     stages: int
-    prev: int
-    next: int
+    ranks: tuple[int, ...]
     pipe_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     dp_root: int = 0
@@ -50,13 +170,15 @@ class StageLayout:
 
 
 class StageRunner(nn.Module):
-    """This rank's part of the model and everything it needs to run it: its place in the layout, the
+    """This rank's parts of the model and everything it needs to run them: its place in the layout, the
     process groups, the pipelining schedule for training, and its forward for evaluation (which sends
-    the activations on and returns the outputs on the last stage, None elsewhere).
+    the activations on and returns the outputs on the rank of the last stage, None elsewhere).
 
-    `prepare` parallelises the part further before the schedule takes it (strategy=nd: tensor
+    The model's stages() are grouped into stages x per_rank parts, placed on the ranks as the schedule
+    places them (`stage_ranks`); `part` is this rank's part, or its parts in a ModuleList (`parts`).
+    `prepare` parallelises each part further before the schedule takes it (strategy=nd: tensor
     parallelism and FSDP on the stage's own sub-mesh); its parameters may then be DTensors, which the
-    checkpoint methods gather whole. `local_norm` is the part's gradient norm (default: plain tensors')."""
+    checkpoint methods gather whole. `local_norm` is the parts' gradient norm (default: plain tensors')."""
 
     def __init__(
         self,
@@ -66,23 +188,30 @@ class StageRunner(nn.Module):
         schedule: Schedule,
         *,
         ctx: RunContext,
+        per_rank: int = 1,
         prepare: Callable[[nn.Module], None] | None = None,
         local_norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.layout = layout
         self.stage, self.stages, self.microbatches = layout.stage, layout.stages, microbatches
+        self.schedule_name, self.per_rank = schedule, per_rank
         self.device = ctx.device
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
         self.local_norm = local_norm or torch.nn.utils.get_total_norm
 
-        parts = group(model_stages(model), self.stages)
-        self.part = parts[self.stage].to(self.device)
-        for index, other in enumerate(parts):
-            if index != self.stage:
+        self.owner_of = stage_ranks(schedule, self.stages, per_rank)
+        count = len(self.owner_of)
+        self.mine = [index for index, owner in enumerate(self.owner_of) if owner == self.stage]
+        self.is_first, self.is_last = 0 in self.mine, count - 1 in self.mine
+        all_parts = group(model_stages(model), count)
+        self.parts = [all_parts[index].to(self.device) for index in self.mine]
+        for index, other in enumerate(all_parts):
+            if index not in self.mine:
                 other.to("meta")  # the other stages' weights live on other ranks
         if prepare is not None:
-            prepare(self.part)
+            for part in self.parts:
+                prepare(part)
+        self.part: nn.Module = self.parts[0] if len(self.parts) == 1 else nn.ModuleList(self.parts)
         self.sharded = any(_is_dtensor(p) for p in self.part.parameters())
         self.order, self.names, self.param_index = _naming(model, self.part)
         self._broadcast_from_replica0([*self.part.parameters(), *self.part.buffers()])
@@ -91,18 +220,22 @@ class StageRunner(nn.Module):
         self.scale = 1.0
         self.losses: list[torch.Tensor] = []
         self.task_loss: Loss | None = None  # the step's: train_step's argument
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import schedules
 
-        self.sender = timed_stage_class()(
-            self.part, self.stage, self.stages, self.device, group=self.layout.pipe_group, timer=self.timer
-        )
-        kind = ScheduleGPipe if schedule == Schedule("gpipe") else Schedule1F1B
+        stage_class = timed_stage_class()
+        self.senders = [
+            stage_class(part, index, count, self.device, group=layout.pipe_group, timer=self.timer)
+            for part, index in zip(self.parts, self.mine, strict=True)
+        ]
+        kind = getattr(schedules, _SCHEDULE_CLASSES[schedule])
         # scale_grads=False: scaling is in the loss (see the package docstring).
-        self.schedule = kind(self.sender, microbatches, loss_fn=self._loss, scale_grads=False)
+        taken: Any = self.senders if schedule in MULTI else self.senders[0]
+        self.schedule = kind(taken, microbatches, loss_fn=self._loss, scale_grads=False)
 
     def meter_sends(self, meter: CommMeter | None) -> None:
-        """Count what this stage sends to its neighbours in `meter` (kind activations)."""
-        self.sender.meter = meter
+        """Count what this rank's stages send to other ranks in `meter` (kind activations)."""
+        for sender in self.senders:
+            sender.meter = meter
 
     # ------------------------------------------------------------------------- checkpoints
     # The whole model's state, gathered on rank 0 under the model's own names, from the rank of each
@@ -242,8 +375,10 @@ class StageRunner(nn.Module):
         totals = torch.tensor(mine, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
         frac_sum, ranks = totals.tolist()
-        p, m = self.stages, self.microbatches
-        out = {"pipe/bubble_frac_textbook": (p - 1) / (m + p - 1)}
+        textbook = bubble_textbook(
+            self.schedule_name, ranks=self.stages, microbatches=self.microbatches, per_rank=self.per_rank
+        )
+        out = {"pipe/bubble_frac_textbook": textbook}
         if ranks:
             out["pipe/bubble_frac"] = max(frac_sum / ranks, 0.0)
         return out
@@ -251,18 +386,33 @@ class StageRunner(nn.Module):
     # ------------------------------------------------------------------------- evaluation
 
     def forward(self, inputs: Any) -> torch.Tensor | None:
-        """One eval batch through the pipeline: receive the previous stage's activations (the first
-        stage: the batch), run this part, send the result on; only the last stage returns it."""
-        x = (
-            inputs.to(self.device, non_blocking=True)
-            if self.is_first
-            else _recv(self.layout.prev, self.device)
-        )
-        out: torch.Tensor = self.part(x)
-        if self.is_last:
-            return out
-        _send(out, self.layout.next)
+        """One eval batch through the pipeline: each of this rank's stages in turn receives the previous
+        stage's activations (the first stage: the batch; a stage on this rank: its output), runs its
+        part, and sends the result on where the next stage is another rank's; only the rank of the
+        last stage returns it."""
+        x: torch.Tensor | None = None
+        for index, part in zip(self.mine, self.parts, strict=True):
+            if index == 0:
+                x = inputs.to(self.device, non_blocking=True)
+            elif self.owner_of[index - 1] != self.stage:
+                x = _recv(self.layout.ranks[self.owner_of[index - 1]], self.device)
+            x = part(x)
+            if index == len(self.owner_of) - 1:
+                return x
+            if self.owner_of[index + 1] != self.stage:
+                assert x is not None
+                _send(x, self.layout.ranks[self.owner_of[index + 1]])
         return None
+
+
+_SCHEDULE_CLASSES = {
+    Schedule("gpipe"): "ScheduleGPipe",
+    Schedule("1f1b"): "Schedule1F1B",
+    Schedule("interleaved_1f1b"): "ScheduleInterleaved1F1B",
+    Schedule("interleaved_zero_bubble"): "ScheduleInterleavedZeroBubble",
+    Schedule("zbv"): "ScheduleZBVZeroBubble",
+    Schedule("dualpipev"): "ScheduleDualPipeV",
+}
 
 
 @functools.cache
@@ -301,6 +451,10 @@ def timed_stage_class() -> type:
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             with self.timer.compute():
                 return super().backward_one_chunk(*args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            with self.timer.compute():  # the zero-bubble schedules' deferred weight gradients
+                return super().backward_weight_one_chunk(*args, **kwargs)
 
     return TimedStage
 
