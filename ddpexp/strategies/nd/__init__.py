@@ -168,7 +168,7 @@ class Nd(Strategy[NdConfig]):
         if degrees.pp > 1:
             s = self.settings
             checkpointing = plan.activation_checkpointing
-            check_schedule(s.schedule, degrees.pp, s.stages_per_rank, checkpointing=checkpointing)
+            check_schedule(s.schedule, s.stages_per_rank, checkpointing=checkpointing)
             check_microbatches(plan, s.microbatches, s.schedule, degrees.pp, s.stages_per_rank)
         for setting in ("sequence_parallel", "loss_parallel"):
             if getattr(self.settings, setting) and degrees.tp == 1:

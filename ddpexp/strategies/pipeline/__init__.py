@@ -55,6 +55,7 @@ from .stage import (
     in_flight,
     splits_backward,
     stage_ranks,
+    stages_of,
     stages_per_rank,
 )
 
@@ -110,7 +111,7 @@ class Pipeline(Strategy[PipelineConfig]):
 
     def check(self, *, plan: Plan, host: HostFacts) -> None:
         s = self.settings
-        check_schedule(s.schedule, s.stages, s.stages_per_rank, checkpointing=plan.activation_checkpointing)
+        check_schedule(s.schedule, s.stages_per_rank, checkpointing=plan.activation_checkpointing)
         check_microbatches(plan, s.microbatches, s.schedule, s.stages, s.stages_per_rank)
 
     def check_model(self, model: nn.Module) -> None:
@@ -243,11 +244,7 @@ class Pipe:
 
     def mine(self, rank: int) -> list[int]:
         """The stages pipeline rank `rank` runs."""
-        return [
-            s
-            for s, owner in enumerate(stage_ranks(self.schedule, self.ranks, self.per_rank))
-            if owner == rank
-        ]
+        return stages_of(self.schedule, self.ranks, self.per_rank, rank)
 
     def crossing(self, sizes: list[int]) -> list[int]:
         """The bytes of each stage boundary (one per pair of consecutive stages) that crosses ranks: a V
@@ -304,7 +301,7 @@ def stage_held(parts: list[nn.Module], pipe: Pipe, rank: int, *, samples: float)
     )
 
 
-def check_schedule(schedule: Schedule, ranks: int, per_rank: int | None, *, checkpointing: str) -> None:
+def check_schedule(schedule: Schedule, per_rank: int | None, *, checkpointing: str) -> None:
     """Refuse stages per rank the schedule cannot run (fewer than 1; other than 2 for a V schedule; more
     than 1 for GPipe and 1F1B, which run one stage a rank), and selective activation checkpointing
     under a schedule that splits backwards: torch allows one backward through a selectively

@@ -93,7 +93,7 @@ def in_flight(
     p, m = ranks, microbatches
     if schedule not in MULTI:
         return (((m if schedule == Schedule("gpipe") else min(m, p - rank), 0),),)
-    mine = _mine(schedule, p, per_rank, rank)
+    mine = stages_of(schedule, p, per_rank, rank)
     live, done = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
     points = []
     for kind, stage in _actions(schedule, p, m, per_rank, rank):
@@ -111,7 +111,8 @@ def splits_backward(schedule: Schedule) -> bool:
     return schedule in (Schedule("interleaved_zero_bubble"), Schedule("zbv"), Schedule("dualpipev"))
 
 
-def _mine(schedule: Schedule, ranks: int, per_rank: int, rank: int) -> list[int]:
+def stages_of(schedule: Schedule, ranks: int, per_rank: int, rank: int) -> list[int]:
+    """The stages pipeline rank `rank` runs."""
     return [s for s, owner in enumerate(stage_ranks(schedule, ranks, per_rank)) if owner == rank]
 
 
@@ -136,7 +137,7 @@ def _actions(
             submod=nn.Identity(),
             stage_index_to_group_rank=None,
         )
-        for index in _mine(schedule, ranks, per_rank, rank)
+        for index in stages_of(schedule, ranks, per_rank, rank)
     ]
     made = getattr(schedules, _SCHEDULE_CLASSES[schedule])(stand_ins, microbatches, loss_fn=_no_loss)
     out: list[tuple[str, int]] = []
