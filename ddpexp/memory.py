@@ -6,6 +6,8 @@ tensor), so they mean the same on CPU and GPU and show what sharding and checkpo
   optim_state the optimizer's state tensors on this rank (ZeRO: its shard; SGD: momentum buffers)
   activations the peak, within one micro-batch's forward and backward, of the tensors held for the
               backward (ActivationMeter): what activation checkpointing cuts
+  host        of params, grads and optim_state, what the strategy keeps in host memory (FSDP's
+              offload: the parameters whose FSDP unit offloads them, their gradients and state)
 
 Measured once per run (and per resumed run), on the second optimizer step this process runs (the first
 where it runs one only): activations on its first micro-batch, the rest after its optimizer step,
@@ -91,11 +93,39 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
 def resident_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     # A parameter on the meta device is held by another rank (a pipeline's other stages).
     params = [p for p in model.parameters() if not p.is_meta]
+    offloaded = _offloaded(model)
+    inner = getattr(optimizer, "optim", None)
+    source = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+    host = sum(
+        local_bytes(p)
+        + local_bytes(p.grad)
+        + sum(
+            local_bytes(t)
+            for t in source.state.get(p, {}).values()
+            if isinstance(t, torch.Tensor) and t.dim()
+        )
+        for p in params
+        if id(p) in offloaded
+    )
     return {
         "mem/params_mb": sum(local_bytes(p) for p in params) / MB,
         "mem/grads_mb": sum(local_bytes(p.grad) for p in params) / MB,
         "mem/optim_state_mb": sum(local_bytes(t) for t in _state_tensors(optimizer)) / MB,
+        "mem/host_mb": host / MB,
     }
+
+
+def _offloaded(model: torch.nn.Module) -> set[int]:
+    """Ids of the parameters FSDP keeps in host memory (its CPUOffloadPolicy), read from FSDP's state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out |= {id(fp.sharded_param) for fp in group.fsdp_params if fp.offload_to_cpu}
+    return out
 
 
 class ActivationMeter:

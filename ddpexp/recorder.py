@@ -27,11 +27,13 @@ metrics.json keys (TensorBoard shows them as board_scalars says: below), x axis 
                       the local shards (max over ranks; every rank's in metrics.json memory_per_rank)
   mem/activations_mb  the peak of the tensors held for the backward in one micro-batch, per rank
                       (max over ranks; memory_per_rank too): what activation checkpointing cuts
+  mem/host_mb         of those, what the strategy keeps in host memory (FSDP's offload)
   comm/time_per_step_s, comm/share, comm/bytes_per_step   communication (strategies with any);
                       TensorBoard: perf/comm_time_per_step_s, perf/comm_share
   comm/bytes_per_step/<kind>   gradients, parameters (all-gathers, pulls, ZeRO's broadcasts), sync_bn
                       (statistics), buffers (DDP's broadcast of BatchNorm statistics before each forward),
-                      tensor_parallel, activations (what pipeline stages send each other)
+                      tensor_parallel, activations (what pipeline stages send each other), offload
+                      (FSDP's copies between host and device memory: not in comm/bytes_per_step)
   constant over a run (BOARD_CONSTANT): no TensorBoard chart; the run/constants text at the end
   summary/*           TensorBoard only: the HParams view's metrics written once (ddpexp/hparams.py)
 
@@ -84,6 +86,7 @@ BOARD_CONSTANT = (
     "mem/grads_mb",
     "mem/optim_state_mb",
     "mem/activations_mb",
+    "mem/host_mb",
     "eval/samples",
     "eval/tokens",
 )

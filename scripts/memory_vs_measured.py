@@ -1,6 +1,7 @@
 """The memory model (ddpexp.predict.memory) against what runs measure: every strategy and mesh that runs
 on this host at 1-4 processes, on the ConvNet and on gpt_tiny, each trained for a few steps; per rank and
-category (parameters, gradients, optimizer state, activations) the predicted and measured MB and the
+category (parameters, gradients, optimizer state, activations, and where offloaded what of them the
+host holds) the predicted and measured MB and the
 error (the table: one line per case, its largest rank's MB, the worst error over all its ranks). The
 prediction reads only each run's config.yaml, its world size and its global batch.
 
@@ -23,7 +24,7 @@ from ddpexp.predict import MeasuredRun
 from ddpexp.predict.memory import predict_run
 from ddpexp.runrecord import read_run_record
 
-CATEGORIES = ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb", "mem/activations_mb")
+CATEGORIES = ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb", "mem/activations_mb", "mem/host_mb")
 TOLERANCE = 0.10
 TINY_MB = 1 / 1024
 
@@ -59,7 +60,9 @@ CASES: list[tuple[str, list[str]]] = [
         "gpt_tiny pipeline W2 zbv ac=full",
         [*GPT, "strategy=pipeline", "strategy.schedule=zbv", "trainer.activation_checkpointing=full"],
     ),
+    ("gpt_tiny fsdp W2 offload", [*GPT, "strategy=fsdp", "dist.nprocs=2", "strategy.offload=true"]),
     ("gpt_tiny nd_2d W4", [*GPT, "strategy=nd_2d", "dist.nprocs=4"]),
+    ("gpt_tiny nd_2d W4 offload", [*GPT, "strategy=nd_2d", "dist.nprocs=4", "strategy.offload=true"]),
     ("gpt_tiny nd_2d_sp W4", [*GPT, "strategy=nd_2d_sp", "dist.nprocs=4"]),
     (
         "gpt_tiny nd_2d_sp loss_parallel W4",
@@ -110,6 +113,9 @@ def compare(label: str, run_dir: Path) -> list[tuple[str, int, str, float, float
     for rank, (mine, measured) in enumerate(zip(predicted, record.memory_per_rank, strict=True)):
         guess = mine.mb()
         for key in CATEGORIES:
+            # host memory where either side has any (offload's)
+            if key == "mem/host_mb" and not (guess[key] or measured.get(key)):
+                continue
             if key in measured:
                 rows.append((label, rank, key, guess[key], float(measured[key])))
     return rows
@@ -145,7 +151,7 @@ def table(rows: list[tuple[str, int, str, float, float]], fmt: str) -> str:
     for case, rank, key, guess, got in rows:
         by.setdefault(case, {}).setdefault(key, []).append((guess, got))
         ranks.setdefault(case, set()).add(rank)
-    head = ["case", "ranks", "params", "grads", "optimizer", "activations", "worst error"]
+    head = ["case", "ranks", "params", "grads", "optimizer", "activations", "host", "worst error"]
     lines = []
     for case, cells in by.items():
         texts, errors = [], []

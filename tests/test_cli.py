@@ -38,7 +38,7 @@ REFUSALS = [
     (["data=synthetic", "data.num_eval=0"], ["eval split is empty", "data"]),
     (["strategy=fsdp", "strategy.mixed_precision=fp16"], ["strategy.mixed_precision", "CUDA", "bf16"]),
     (["strategy=fsdp", "++strategy.device_ids=[0]"], ["device_ids", "strategy=dp"]),
-    (["strategy=fsdp", "strategy.cpu_offload=true"], ["strategy.cpu_offload", "CPU"]),
+    (["strategy=ddp", "strategy.offload=true"], ["strategy.offload", "strategy=fsdp, strategy=nd"]),
     (["strategy=fsdp", "strategy.mixed_precision=fp8"], ["mixed_precision", "bf16", "fp16"]),
     (
         ["strategy=naive_allreduce", "++strategy.comm_hook=fp16"],

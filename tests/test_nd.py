@@ -39,6 +39,8 @@ MESHES: dict[str, tuple[int, list[str]]] = {
         ],
     ),
     "dp_replicate 2 x dp_shard 2": (4, ["strategy.dp_replicate=2", "strategy.dp_shard=2"]),
+    # FSDP's shards of the tensor-parallel splits on the host (offload).
+    "dp_shard 2 x tp 2, offload": (4, ["strategy.dp_shard=2", "strategy.tp=2", "strategy.offload=true"]),
     "dp_replicate 2 x tp 2": (4, ["strategy.dp_replicate=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x tp 2": (4, ["strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x dp_shard 2, 1f1b": (4, ["strategy.pp=2", "strategy.dp_shard=2", "strategy.schedule=1f1b"]),
@@ -110,6 +112,10 @@ def test_the_bytes_each_mesh_sends_are_the_bytes_its_cost_model_declares(nd_runs
     final = metrics(nd_runs[name])["final"]
     assert final["comm/bytes_per_step"] > 0
     assert predicted_bytes(nd_runs[name]) == pytest.approx(final["comm/bytes_per_step"], rel=1e-9)
+    copied = final.get("comm/bytes_per_step/offload", 0)
+    assert copied == pytest.approx(predicted_bytes(nd_runs[name], offload=True)) and (copied > 0) == (
+        "offload" in name
+    )
     if "tp" in name:
         assert final["comm/bytes_per_step/tensor_parallel"] > 0
     else:

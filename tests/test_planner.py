@@ -250,6 +250,31 @@ def test_a_model_too_big_for_any_mesh_is_one_line_saying_what_would_be_needed(tm
     assert "GiB per rank of the 0.01 usable (fix: rent more devices (--nodes 2)" in line
 
 
+def test_offload_is_proposed_where_nothing_else_fits_with_the_host_s_time(tmp_path: Path):
+    """Llama 3.1 8B trained with AdamW on one H100: its states alone (16 bytes a parameter) outgrow the
+    80 GiB, so the plan keeps FSDP's states in the host's memory (the profile's 256 GiB), its
+    optimizer stepping at the host's bandwidth and the shards crossing PCIe; with a host too small
+    for them nothing fits, in one line that says so."""
+    base = ["plan", "model=llama3_1_8b", "optim=adamw", "trainer.precision=bf16", "trainer.batch_size=8"]
+    result = run_here(tmp_path, *base, "--cluster", "1xh100_sxm", "--format", "json")
+    assert result.returncode == 0, result
+    plans = json.loads(result.stdout)["plans"]
+    best = plans[0]
+    assert best["fits"] and "strategy.offload=true" in best["overrides"], best
+    host = best["host_gib_per_node"] * 2**30  # parameters, gradients and two moments, fp32: 16 P
+    assert 15e9 * 8 < host < 16.5e9 * 8
+    assert best["optimizer_s"] == pytest.approx(host / 4 * 7 / (77e9 * 0.5), rel=1e-6)
+    assert best["peak_gib_per_rank"] < 76 and best["peak_gib_by_category"]["optimizer state"] == 0
+    assert not any(p["fits"] for p in plans if "strategy.offload=true" not in p["overrides"])
+    profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "1xh100_sxm.yaml").read_text()
+    small = tmp_path / "small_host.yaml"
+    small.write_text(profile.replace("memory_gib: 256", "memory_gib: 64"))
+    refused = run_here(tmp_path, *base, "--cluster", str(small))
+    assert refused.returncode == 2, refused
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "no strategy fits on 1 x H100 SXM 80GB" in line and "GiB a node to host memory of 64 GiB" in line
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

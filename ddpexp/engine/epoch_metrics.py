@@ -57,7 +57,9 @@ def costs(
         **(resident or {}),
     }
     if comm is not None:
-        out["comm/bytes_per_step"] = sum(kind_bytes) / max(steps, 1)
+        # Between devices only: offload's copies stay inside a machine (comm/bytes_per_step/offload).
+        network = sum(b for k, b in zip(KINDS, kind_bytes, strict=True) if k != "offload")
+        out["comm/bytes_per_step"] = network / max(steps, 1)
         if comm_s > 0 or not sum(kind_bytes):  # bytes and no time: untimed (a pipeline's sends)
             out["comm/time_per_step_s"] = comm_s / max(steps, 1)
             out["comm/share"] = comm_s / elapsed if elapsed > 0 else 0.0

@@ -161,6 +161,14 @@ def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tu
             raise UserError(results[0].note or "no strategy runs this job")  # the first one's refusal
         least = min(runnable, key=lambda r: r.peak_bytes)
         need, usable = least.peak_bytes / GIB, cluster.usable_bytes / GIB
+        if least.largest == "host memory" and least.peak_bytes <= cluster.usable_bytes:
+            raise UserError(
+                f"no strategy fits on {cluster.devices} x {cluster.device}: the leanest, {least.label}, "
+                f"offloads {least.host_bytes / GIB:,.1f} GiB a node to host memory of "
+                f"{cluster.host_memory_gib or 0:,.0f} GiB",
+                setting="--nodes",
+                fix=f"rent more devices (--nodes {2 * cluster.nodes}) or hosts with more memory",
+            )
         raise UserError(
             f"no strategy fits on {cluster.devices} x {cluster.device}: the leanest, "
             f"{least.label}, needs {need:,.2f} GiB per rank of the {usable:,.2f} usable",
@@ -252,6 +260,7 @@ def _record(r: Estimate, spread: validation.Validation) -> dict[str, Any]:
         "mfu": r.mfu,
         "bytes_per_step_intra_node": r.bytes_intra,
         "bytes_per_step_inter_node": r.bytes_inter,
+        "host_gib_per_node": r.host_bytes / GIB,
         "steps": r.steps,
         "time_s": r.time_s,
         "cost_usd": r.cost,

@@ -6,14 +6,15 @@ cluster's links that compute does not hide: timing.py) and what a run to a targe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import ActivationCheckpointing, Precision
 from ..errors import UserError
-from .profiles import Cluster
+from ..predict.interconnect import load_profile
+from .profiles import GIB, Cluster
 from .space import Candidate
-from .timing import StepTime, compute, exposed_s, optimizer_s
+from .timing import StepTime, compute, exposed_s, host_optimizer_s, optimizer_s
 
 # A language model planned without data= is planned on synthetic tokens at its context, up to this: a
 # Llama 3's context is 131,072 tokens, but it pretrained at 8,192 for most of its run.
@@ -41,6 +42,7 @@ class Estimate:
     micro_batch: float = math.nan  # samples per micro-batch of a data shard
     devices: int = 0
     parts: dict[str, float] = field(default_factory=dict)  # the peak by category, bytes
+    host_bytes: float = 0.0  # what the busiest node's host memory holds (offload)
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -206,6 +208,8 @@ def strategy_of(candidate: Candidate) -> Any:
         section["mixed_precision"] = candidate.settings.gather
     if candidate.settings.reshard is not None:
         section["reshard_after_forward"] = candidate.settings.reshard
+    if candidate.settings.offload:
+        section["offload"] = True
     return strategies.resolve(section)
 
 
@@ -234,10 +238,11 @@ def estimate(
     except UserError as exc:
         return Estimate(candidate, note=str(exc), devices=cluster.devices)
     worst = max(ranks, key=lambda r: r.peak)
+    on_device = 0.0 if worst.offloaded else 1.0
     parts = {
         "parameters": worst.in_step,
-        "gradients": worst.grads,
-        "optimizer state": worst.optim_state,
+        "gradients": worst.grads * on_device,
+        "optimizer state": worst.optim_state * on_device,
         "activations": worst.activations,
         "the backward's temporaries": worst.transient,
         "copies": worst.copies,
@@ -257,13 +262,17 @@ def estimate(
         precision=job.precision,
     )
     shards = len(set(strategy.data_layout(world_size=world)))
-    timed = [(c, fabric.time_s(c)) for c in communication(strategy, work, cache)]
+    links = replace(fabric, host=load_profile(cluster.hardware.host_link).link)
+    timed = [(c, links.time_s(c)) for c in communication(strategy, work, cache)]
     if cluster.achieved_mfu is not None:
         times = _at_assumed_mfu(cfg, job, cluster, strategy, work, timed)
     else:
         times = _per_op(
             job, cluster, ranks, shards, timed, candidate.settings.compile, optimizer_states(cfg.optim)
         )
+    per_node = cluster.devices_per_node
+    host = max(sum(r.host for r in ranks[n : n + per_node]) for n in range(0, len(ranks), per_node))
+    host_fits = not host or (cluster.host_memory_gib is not None and host <= cluster.host_memory_gib * GIB)
     tokens = job.global_batch * job.seq_len
     steps = math.ceil(job.target_tokens / tokens) if job.target_tokens else math.nan
     step = times.step_s
@@ -272,15 +281,15 @@ def estimate(
     return Estimate(
         candidate,
         peak_bytes=worst.peak,
-        largest=max(parts, key=lambda k: parts[k]),
-        fits=worst.peak <= cluster.usable_bytes,
+        largest=max(parts, key=lambda k: parts[k]) if host_fits else "host memory",
+        fits=worst.peak <= cluster.usable_bytes and host_fits,
         compute_s=times.compute_s,
         exposed_s=times.exposed_s,
         optimizer_s=times.optimizer_s,
         step_s=step,
         tokens_per_s=tokens / step,
         mfu=job.flops_per_token * tokens / step / (world * peak),
-        bytes_intra=sum(c.counted for c, _ in timed if not c.inter_node),
+        bytes_intra=sum(c.counted for c, _ in timed if not c.inter_node and not c.host),
         bytes_inter=sum(c.counted for c, _ in timed if c.inter_node),
         steps=steps,
         time_s=time_s,
@@ -288,6 +297,7 @@ def estimate(
         micro_batch=job.global_batch / shards / candidate.settings.accumulate,
         devices=world,
         parts=parts,
+        host_bytes=host,
     )
 
 
@@ -305,6 +315,7 @@ def _per_op(
     device = cluster.hardware
     slowest: tuple[float, float] = (0.0, 0.0)
     optimized = 0.0
+    offloaded = any(r.offloaded for r in ranks)
     for r in ranks:
         if r.work is None or r.samples <= 0:
             continue
@@ -320,7 +331,9 @@ def _per_op(
     return StepTime(
         compute_s=forward + backward,
         exposed_s=exposed_s(timed, forward, backward),
-        optimizer_s=optimizer_s(device, optimized, states),
+        optimizer_s=host_optimizer_s(cluster, optimized, states)
+        if offloaded
+        else optimizer_s(device, optimized, states),
         forward_s=forward,
         backward_s=backward,
     )

@@ -27,6 +27,11 @@ class Cluster:
     # A share of the peak to time every step at, instead of the per-op model: an override, named as such
     # in the output (a CPU host's profile, which has no per-op model, gives one).
     achieved_mfu: float | None = None
+    # Each node's host memory and its bandwidth, where the profile gives them: what offload keeps there
+    # and what its optimizer step reads (None: offload is not planned on it).
+    host_memory_gib: float | None = None
+    host_memory_bandwidth_GBps: float | None = None
+    host_memory_efficiency: float = 0.5
 
     @property
     def device(self) -> str:
@@ -93,6 +98,7 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
         reserve_gib=float(raw.get("reserve_gib") or 0.0),
         price_per_device_hour=fields.positive("price_per_device_hour") if price is None else price,
         accelerator=None if raw.get("accelerator") is None else str(raw["accelerator"]),
+        **_host(fields, raw),
     )
     if cluster.achieved_mfu is None and not cluster.hardware.per_op:
         raise UserError(
@@ -122,6 +128,23 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
             fix="set inter: to a conf/interconnect profile (ib400, eth25...), or plan for --nodes 1",
         )
     return cluster
+
+
+def _host(fields: _Fields, raw: Any) -> dict[str, float]:
+    """The profile's `host:` section (memory_gib, memory_bandwidth_GBps, memory_efficiency), if any."""
+    if not isinstance(raw, dict) or raw.get("host") is None:
+        return {}
+    host = _Fields(fields.mapping("host"), fields.path, prefix="host.")
+    out = {
+        "host_memory_gib": host.positive("memory_gib"),
+        "host_memory_bandwidth_GBps": host.positive("memory_bandwidth_GBps"),
+    }
+    if host.raw.get("memory_efficiency") is not None:
+        share = host.positive("memory_efficiency")
+        if share > 1:
+            raise host._missing("memory_efficiency", f"is a share of the bandwidth, got {share}: give 0..1")
+        out["host_memory_efficiency"] = share
+    return out
 
 
 class _Fields:

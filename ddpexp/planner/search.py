@@ -1,5 +1,7 @@
 """The search: for every mesh (space.meshes) the settings practitioners tune, each estimated
-(estimate.py), and the best of each mesh kept; or the one layout the user gave, as given.
+(estimate.py), and the best of each mesh kept; or the one layout the user gave, as given. A sharded
+mesh on which nothing fits is tried again with FSDP's states offloaded to the hosts' memory, where the
+cluster profile says how much they have.
 
 Per mesh (`_mesh`), the fastest layout is the largest micro-batch that fits with the lightest
 activation checkpointing: a larger micro-batch holds more activations and runs its matmuls larger,
@@ -83,6 +85,8 @@ def search(
             out.append(Estimate(mesh, note=note, devices=cluster.devices))
             continue
         tried = _mesh(mesh, job, cluster, fabric, cache)
+        if _offloadable(mesh, cluster) and not any(r.fits for r in tried):
+            tried += _mesh(mesh, job, cluster, fabric, cache, offload=True)
         out += tried if everything else [_best(tried)]
     return out
 
@@ -97,13 +101,28 @@ def _refusal(candidate: Candidate, job: Job, cluster: Cluster) -> str | None:
     return None
 
 
-def _mesh(mesh: Candidate, job: Job, cluster: Cluster, fabric: Any, cache: dict[Any, Any]) -> list[Estimate]:
+def _offloadable(mesh: Candidate, cluster: Cluster) -> bool:
+    """Whether offload is worth a try on the mesh: FSDP shards there (without pipeline stages, whose
+    parameters stay gathered) and the profile says what the hosts hold."""
+    return mesh.sharded and not _staged(mesh) and cluster.host_memory_gib is not None
+
+
+def _mesh(
+    mesh: Candidate,
+    job: Job,
+    cluster: Cluster,
+    fabric: Any,
+    cache: dict[Any, Any],
+    *,
+    offload: bool = False,
+) -> list[Estimate]:
     """The settings worth trying on one mesh (the module's docstring): for each checkpointing mode,
     lightest first, the largest micro-batch that fits (the smallest tried first: if it does not fit,
     none does; then halving the gap up), a heavier mode only for micro-batches larger than a lighter
     one fitted (it is slower at the same size). A mesh whose model states alone overflow the devices
     is given up at its first try. Each mode's largest fitting micro-batch is then timed with
-    torch.compile, without resharding and, the fastest, with FSDP's gather in fp32."""
+    torch.compile, without resharding and, the fastest, with FSDP's gather in fp32. `offload`: every
+    layout with FSDP's states in host memory (tried where none fits on the devices)."""
     strategy = strategy_of(mesh)
     shards = len(set(strategy.data_layout(world_size=cluster.devices)))
     local = job.global_batch // shards
@@ -116,7 +135,7 @@ def _mesh(mesh: Candidate, job: Job, cluster: Cluster, fabric: Any, cache: dict[
 
     def probe(ac: str, i: int) -> Estimate:
         if (ac, i) not in tried:
-            settings = Settings(accs[i], ac, False, None, reshard)
+            settings = Settings(accs[i], ac, False, None, reshard, offload)
             tried[ac, i] = estimate(mesh.with_settings(settings), job, cluster, fabric, cache)
             out.append(tried[ac, i])
         return tried[ac, i]

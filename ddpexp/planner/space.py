@@ -1,7 +1,8 @@
 """The candidates a plan searches: the meshes a model can use on a cluster (`meshes`), and for each the
 settings practitioners tune on top (`Settings`): the micro-batch (with gradient accumulation for the
 rest of the local batch), activation checkpointing, torch.compile, and for FSDP the dtype it gathers
-parameters in and whether it reshards them after the forward."""
+parameters in, whether it reshards them after the forward and whether it offloads its states to the
+host."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Settings:
     compile: bool = False  # trainer.compile
     gather: str | None = None  # FSDP's parameter dtype: None its default (bf16 under bf16 training), fp32
     reshard: bool | None = None  # FSDP's reshard_after_forward; None: the strategy's default
+    offload: bool = False  # FSDP's states in host memory (strategy.offload)
 
     def overrides(self) -> list[str]:
         out = [
@@ -33,6 +35,8 @@ class Settings:
             out.append(f"strategy.mixed_precision={self.gather}")
         if self.reshard is not None:
             out.append(f"strategy.reshard_after_forward={str(self.reshard).lower()}")
+        if self.offload:
+            out.append("strategy.offload=true")
         return out
 
     def describe(self, micro_batch: float) -> str:
@@ -43,6 +47,8 @@ class Settings:
             parts.append("fp32 gather")
         if self.reshard is False:
             parts.append("no reshard")
+        if self.offload:
+            parts.append("offload")
         return ", ".join(parts)
 
 

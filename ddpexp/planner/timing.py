@@ -11,7 +11,7 @@ ddpexp.predict.device) and what the strategy sends (its collectives on the fabri
               waited for whole.
   optimizer   the optimizer's step over the rank's shard: AdamW reads the parameter, its gradient and
               two moments and writes three of them, in fp32 (SGD with momentum: one moment), bound by
-              memory bandwidth
+              memory bandwidth: the device's, or with offload the host's, shared by the node's ranks
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..predict.device import Device, Timing
 from ..strategies.comm import Collective, Overlap
+from .profiles import Cluster
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,17 @@ def optimizer_s(device: Device, optimized_bytes: float, states: int) -> float:
     reads the parameter, its gradient and the moments, and writes the parameter and the moments."""
     moved = optimized_bytes * (2 + 2 * states + 1)
     return moved / (device.memory_bandwidth_GBps * 1e9 * device.memory_efficiency)
+
+
+def host_optimizer_s(cluster: Cluster, optimized_bytes: float, states: int) -> float:
+    """optimizer_s on the host (offload): the node's memory bandwidth, at the profile's share of it,
+    split between its devices' ranks stepping at once."""
+    assert cluster.host_memory_bandwidth_GBps is not None  # offload is planned only where it is given
+    moved = optimized_bytes * (2 + 2 * states + 1)
+    each = (
+        cluster.host_memory_bandwidth_GBps * 1e9 * cluster.host_memory_efficiency / cluster.devices_per_node
+    )
+    return moved / each
 
 
 def compute(timing: Timing, passes: float, slots: float) -> tuple[float, float]:

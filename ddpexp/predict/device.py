@@ -51,6 +51,8 @@ class Device:
     # Measured shares of the peak by dtype: (M, N, K, share) rows (scripts/gemm_efficiency.py); where
     # given, a matmul takes the nearest shape's share instead of the model's.
     matmul_table: dict[str, tuple[tuple[int, int, int, float], ...]] = field(default_factory=dict)
+    # Its link to the host's memory (conf/interconnect): what offload's copies cross.
+    host_link: str = "pcie5"
 
     def peak_flops(self, precision: str) -> float:
         """The dense peak matmuls run at under trainer.precision: bf16 for mixed precision, fp32
@@ -191,6 +193,7 @@ def load_device(spec: Any, *, where: str) -> Device:
         },
         tile=tuple(raw.get("tile") or (128, 128)),
         type=str(raw.get("type", "cuda")),
+        host_link=str(raw.get("host_link") or "pcie5"),
     )
     if device.type not in ("cuda", "cpu"):
         raise _bad(where, "device.type", f"{device.type!r}: give cuda (the default) or cpu")

@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..strategies.comm import COLLECTIVE_OPS, PASS_SHARE, Collective
 
 PROFILE_SCOPES = ("intra", "inter", "both")
+HOST_LINK = "pcie5"  # a device's link to its host where nothing says which (conf/interconnect)
 
 # ------------------------------------------------------------------------------------------ formulas
 
@@ -98,6 +99,8 @@ class Fabric:
     # Whether each device has a network adapter of its own (rail-optimised GPU nodes): a ring crossing
     # nodes then moves as many adapters' bytes at once as the group has ranks on a node.
     rails: bool = False
+    # Each device's link to its host's memory (offload's copies, Collective.host); None: PCIe 5.0 x16.
+    host: Link | None = None
 
     def at(self, processes: int) -> Fabric:
         """This fabric for `processes` processes per node: the intra-node links measured at that count,
@@ -120,7 +123,7 @@ class Fabric:
         quick = replace(self, intra=self.waits[0].back_to_back, waits=())
         out = []
         for c in collectives:
-            if c.inter_node:
+            if c.inter_node or c.host:
                 out.append((c, self.time_s(c)))
                 continue
             fast = quick.time_s(c)
@@ -147,6 +150,8 @@ class Fabric:
         return points[-1][1]
 
     def time_s(self, c: Collective) -> float:
+        if c.host:
+            return collective_time(c, self.host or load_profile(HOST_LINK).link)
         links = self.inter if c.inter_node else self.intra
         if links is None:
             raise UserError(

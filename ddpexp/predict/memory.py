@@ -110,26 +110,29 @@ class RankMemory:
     optim_state: float
     activations: float
     copies: float
-    in_step: float  # the parameters alive at the step's peak (more than `params` where FSDP keeps them)
+    # The parameters alive on the device at the step's peak (more than `params` where FSDP keeps them
+    # gathered; offloaded: only those gathered)
+    in_step: float
     transient: float = 0.0
     work: Work | None = None  # one micro-batch's ops (predict(trace=True))
     buffers: float = 0.0  # the strategy's, inside a step (FSDP's gathered units, reduce-scatter buffers)
     samples: float = 0.0  # in one micro-batch's forward
     slots: float = 1.0  # micro-batch slots its critical path takes per micro-batch (a pipeline's bubble)
+    offloaded: bool = False  # params, grads and optim_state in host memory (FSDP's offload)
+
+    @property
+    def host(self) -> float:
+        """What it keeps in host memory: its parameters' shards, their gradients and optimizer state
+        where they are offloaded."""
+        return self.params + self.grads + self.optim_state if self.offloaded else 0.0
 
     @property
     def peak(self) -> float:
-        """Everything at once at the step's peak: the states, the activations, the backward's
-        temporaries and the copies."""
-        return (
-            self.in_step
-            + self.grads
-            + self.optim_state
-            + self.activations
-            + self.transient
-            + self.copies
-            + self.buffers
-        )
+        """Everything at once on the device at the step's peak: the states (the parameters gathered
+        beyond the shards, where offloaded), the activations, the backward's temporaries and the
+        copies."""
+        states = self.in_step + (0.0 if self.offloaded else self.grads + self.optim_state)
+        return states + self.activations + self.transient + self.copies + self.buffers
 
     def mb(self) -> dict[str, float]:
         """In the units and names of a run's memory_per_rank."""
@@ -138,6 +141,7 @@ class RankMemory:
             "mem/grads_mb": self.grads / MB,
             "mem/optim_state_mb": self.optim_state / MB,
             "mem/activations_mb": self.activations / MB,
+            "mem/host_mb": self.host / MB,
         }
 
 
@@ -232,12 +236,13 @@ def predict(
                 float(h.optimized * states),
                 _activations([r for r, _ in each], h),
                 float(h.copies),
-                float(h.params if h.in_step is None else h.in_step),
+                float(h.in_step if h.in_step is not None else 0 if h.offloaded else h.params),
                 max(r.transient for r, _ in each),
                 work,
                 float(h.buffers),
                 float(h.samples),
                 float(h.slots),
+                h.offloaded,
             )
         )
     return out

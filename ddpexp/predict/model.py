@@ -274,7 +274,7 @@ class Predictor:
         strategy = target_strategy(self.run)
         devices, nodes = int(facts.get("devices") or 1), int(facts.get("nnodes") or 1)
         job = self.workload(devices, nodes, strategy)
-        metered = [c for c in strategy.communication(job=job) if c.counted > 0 and c.timed]
+        metered = [c for c in strategy.communication(job=job) if c.counted > 0 and c.timed and not c.host]
         try:
             weights = [t for _, t in self.fabric.at(job.procs_per_node).timed(metered, step - comm)]
         except UserError:  # a multi-node run read with an intra-node fabric: split by bytes instead
@@ -333,7 +333,7 @@ class Predictor:
             step_s=step,
             samples_per_s=job.global_batch / step,
             efficiency=self.single_s / (devices * step),
-            counted_bytes=sum(c.counted for c, _ in timed),
+            counted_bytes=sum(c.counted for c, _ in timed if not c.host),
             timed=timed,
             overhead_s=self.overhead_s,
         )
@@ -377,9 +377,12 @@ def predict_curve(
     return out
 
 
-def predicted_bytes(run: Any, *, strategy: str | None = None, settings: Sequence[str] = ()) -> float:
+def predicted_bytes(
+    run: Any, *, strategy: str | None = None, settings: Sequence[str] = (), offload: bool = False
+) -> float:
     """What comm/bytes_per_step should show for the run's own size (the model's count of what the
-    strategy's meter records), for checking the model against a measurement."""
+    strategy's meter records), for checking the model against a measurement; `offload`: what
+    comm/bytes_per_step/offload should (the copies between host and device memory) instead."""
     measured = MeasuredRun.of(run)
     target = target_strategy(measured, strategy, settings)
     predictor = Predictor(
@@ -387,4 +390,4 @@ def predicted_bytes(run: Any, *, strategy: str | None = None, settings: Sequence
     )
     facts = measured.facts
     job = predictor.workload(int(facts.get("devices") or 1), int(facts.get("nnodes") or 1))
-    return sum(c.counted for c in target.communication(job=job))
+    return sum(c.counted for c in target.communication(job=job) if c.host == offload)

@@ -87,6 +87,7 @@ def _record(group: Group, row: Row, target: float) -> dict[str, Any]:
         "grads_mb": final("mem/grads_mb"),
         "optim_state_mb": final("mem/optim_state_mb"),
         "activations_mb": final("mem/activations_mb"),
+        "host_mb": final("mem/host_mb"),
         "notes": [note for note in group.notes if note.startswith(f"{row.name}:")],
         "warnings": [flag.text for flag in [*group.warnings, *row.warnings]],
     }

@@ -133,7 +133,11 @@ def _cells(row: Row, target: float) -> list[str]:
         format_cell(final("comm/bytes_per_step"), "{:,.0f}"),
         format_cell(_mb(row.median(Run.bytes_moved)), "{:,.1f}"),
         format_cell(row.median(lambda r: r.peak("mem/peak_mb")), "{:,.0f}"),
-        _resident([final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")], final(ACT)),
+        _resident(
+            [final(k) for k in ("mem/params_mb", "mem/grads_mb", "mem/optim_state_mb")],
+            final(ACT),
+            final("mem/host_mb"),
+        ),
     ]
 
 
@@ -167,12 +171,14 @@ def _median_range(row: Row, value: Callable[[Run], float | None], fmt: str) -> s
     return shown if len(values) < 2 else f"{shown} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
-def _resident(values: list[float | None], activations: float | None) -> str:
+def _resident(values: list[float | None], activations: float | None, host: float | None = None) -> str:
     """Bytes per rank by category (max over ranks), counted from the tensors (ddpexp/memory.py); runs
-    recorded before activations were measured show "-" for them."""
+    recorded before activations were measured show "-" for them. What of them the host holds
+    (offload), where anything."""
     if any(v is None for v in values):
         return "-"
-    return "/".join([*(f"{v:.2f}" for v in values if v is not None), format_cell(activations, "{:.2f}")])
+    shown = "/".join([*(f"{v:.2f}" for v in values if v is not None), format_cell(activations, "{:.2f}")])
+    return f"{shown} (host {host:.2f})" if host else shown
 
 
 def _metric(tag: str, v: float | None) -> str:

@@ -49,8 +49,10 @@ from ..commbench import Op
 # tensor_parallel (what tensor parallelism sends: layers' inputs and outputs and their gradients, and
 # the sequence-parallel norms' weight gradients), and activations (a pipeline stage's outputs to the
 # next stage and their gradients back: counted, not timed, since the schedule sends them
-# asynchronously; the waits for them are in pipe/bubble_frac).
-KINDS = ("gradients", "parameters", "sync_bn", "buffers", "tensor_parallel", "activations")
+# asynchronously; the waits for them are in pipe/bubble_frac), and offload (FSDP's copies between host
+# and device memory under strategy.offload: each shard to the device before its all-gather, each reduced
+# gradient shard back: counted, not timed).
+KINDS = ("gradients", "parameters", "sync_bn", "buffers", "tensor_parallel", "activations", "offload")
 
 
 class CommMeter:
@@ -289,6 +291,9 @@ class Collective:
     # Where it spans nodes: its ranks on each node, which share the node's network adapters (a ring
     # crossing nodes on k rails moves k times one adapter's bytes).
     per_node: int = 1
+    # A copy between the device's memory and its host's (offload), over the device's host link (PCIe)
+    # rather than the fabric: op sendrecv, `bytes` what crosses it.
+    host: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
@@ -366,6 +371,9 @@ class Held:
     # schedules): each stage keeps part of a micro-batch's activations until the step ends, and its
     # timeline counts (in flight, done) per stage.
     split_backward: bool = False
+    # Whether its parameters, gradients and optimizer state live in host memory (FSDP's offload), the
+    # device holding only what a step gathers and computes.
+    offloaded: bool = False
 
     @classmethod
     def replica(cls, model: nn.Module, samples: float, **changes: Any) -> Held:

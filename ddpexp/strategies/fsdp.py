@@ -17,7 +17,11 @@ no memory at peak).
   torchtitan's way, with no bf16 copy of every weight alive until its backward as autocast over fp32
   parameters keeps. `mixed_precision=bf16|fp16` asks for that policy whatever trainer.precision says;
   `mixed_precision=fp32` for none (parameters gathered as stored; with bf16 training autocast casts them).
-- cpu_offload=true keeps the sharded parameters, gradients and optimizer state in host memory.
+- offload=true keeps the sharded parameters, gradients and optimizer state in host memory (FSDP2's
+  CPUOffloadPolicy): each unit's shard is copied to the device before its all-gather, each reduced
+  gradient shard back to the host, and the optimizer steps there. On a CPU run host and device memory
+  are one, so nothing moves, but the same code runs (parity, the copies counted as
+  comm/bytes_per_step/offload, the states counted as mem/host_mb).
 
 Checkpoints hold the full, unsharded state (torch.distributed.checkpoint.state_dict's full-state-dict
 helpers, gathered on rank 0 and offloaded to CPU), so model.pt loads into a plain nn.Module and a run
@@ -77,8 +81,8 @@ class FsdpConfig(DataParallelConfig):
     mixed_precision: MixedPrecision | None = None
     # The dtype gradients are reduce-scattered in when parameters compute in a lower one.
     reduce_dtype: ReduceDtype = ReduceDtype.fp32
-    # Sharded parameters, gradients and optimizer state in host memory.
-    cpu_offload: bool = False
+    # Sharded parameters, gradients and optimizer state in host memory, the optimizer stepping there.
+    offload: bool = False
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -141,7 +145,7 @@ class Precisions:
 def precisions(mixed: MixedPrecision | None, reduce: ReduceDtype, precision: str) -> Precisions:
     """The policy `mixed_precision` (null: trainer.precision's, for bf16 only: fp16 training keeps its
     autocast and loss scaling over fp32 parameters) and `reduce_dtype` give under trainer.precision."""
-    chosen = mixed.value if mixed is not None else "bf16" if precision == "bf16" else "fp32"
+    chosen = mixed.value if mixed is not None else "bf16" if precision in ("bf16", "fp8") else "fp32"
     if chosen == "fp32":
         return Precisions(None, None)
     return Precisions(DTYPES[chosen], DTYPES[reduce.value])
@@ -159,30 +163,26 @@ class Fsdp(Strategy[FsdpConfig]):
                 setting="strategy.mixed_precision",
                 fix="use strategy.mixed_precision=bf16 on CPU",
             )
-        if self.settings.cpu_offload and plan.device_type != "cuda":
-            raise UserError(
-                "cpu_offload moves GPU shards to host memory; this run is on the CPU already",
-                setting="strategy.cpu_offload",
-                fix="drop strategy.cpu_offload (or run on GPUs)",
-            )
-        if plan.world_size == 1:
+        if self.settings.offload and plan.device_type != "cuda":
+            log.info("offload on a CPU run: host and device memory are one, so nothing moves")
+        if plan.world_size == 1 and not self.settings.offload:
             log.warning("fsdp on one rank shards nothing: its settings change nothing but speed")
 
     def precisions(self, precision: str) -> Precisions:
         return precisions(self.settings.mixed_precision, self.settings.reduce_dtype, precision)
 
     def wrap(self, model: nn.Module, *, ctx: RunContext, measure_comm: bool) -> Wrapped:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         model = maybe_sync_bn(model, self.settings.sync_bn, ctx.device.type)
-        if not self.settings.cpu_offload:
+        if not self.settings.offload:
             model = model.to(ctx.device)
         kwargs: dict[str, Any] = {"reshard_after_forward": self.settings.reshard_after_forward}
         mixed = self.precisions(ctx.plan.precision)
         if mixed.param is not None:
             kwargs["mp_policy"] = mixed.policy()
-        if self.settings.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+        if self.settings.offload:
+            kwargs["offload_policy"] = offload_policy(ctx.device)
         units, ties = units_and_ties(model)
         if ties:
             log.info("tied weights %s: the blocks holding them are sharded with the root", ", ".join(ties))
@@ -212,6 +212,7 @@ class Fsdp(Strategy[FsdpConfig]):
         mixed-precision policy the gathered parameters are in its dtype, and so is the forward."""
         mixed = self.precisions(job.precision)
         reshard = self.settings.reshard_after_forward
+        offload = self.settings.offload
         gathered, buffers = gathered_bytes(unit_params(job.model), mixed, reshard=reshard)
         samples = job.global_batch / job.world / job.accumulate
         out = []
@@ -227,9 +228,10 @@ class Fsdp(Strategy[FsdpConfig]):
                     trained,
                     trained,
                     in_step=gathered,
-                    buffers=buffers + (0 if reshard else params),
+                    buffers=buffers + (0 if reshard or offload else params),
                     samples=samples,
                     param_dtype=mixed.param,
+                    offloaded=offload,
                 )
             )
         return out
@@ -240,13 +242,20 @@ class Fsdp(Strategy[FsdpConfig]):
         reshard_after_forward (the root's too: ddpexp sets the flag explicitly, so torch's exception for
         the root does not apply), and one reduce-scatter of its gradient on the last micro-batch
         (sharded_traffic); under a mixed-precision policy the all-gathers travel in its parameter
-        dtype, the reduce-scatters in its reduce dtype."""
+        dtype, the reduce-scatters in its reduce dtype. With offload, the copies between host and
+        device around each of them (offload_traffic)."""
         world = job.world
-        if world < 2:
-            return []
         gather, reduce = self.precisions(job.precision).element_sizes()
         units = unit_params(job.model)
-        out = sharded_traffic(
+        out: list[Collective] = []
+        if self.settings.offload:  # on one rank too: its shard is the whole unit
+            again = self.settings.reshard_after_forward
+            out += offload_traffic(
+                units, world, gathers=job.accumulate, reduces=1, again=again, reduce_size=reduce
+            )
+        if world < 2:
+            return out
+        out += sharded_traffic(
             unit_shards(units, world, element_size=gather),
             world,
             gathers=job.accumulate,
@@ -502,25 +511,122 @@ def metered_collectives(model: nn.Module) -> CommMeter:
     meter = CommMeter()
 
     class MeteredAllGather(DefaultAllGather):
+        def __init__(self, host_bytes: int) -> None:
+            super().__init__()
+            self.host_bytes = host_bytes  # what offload copies to the device before each all-gather
+
         def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
             start = time.perf_counter()
             work = super().__call__(output_tensor, input_tensor, group, async_op)
             record_when_done(
                 meter, work, start, input_tensor.numel() * input_tensor.element_size(), "parameters"
             )
+            if self.host_bytes:
+                meter.count(self.host_bytes, "offload")
             return work
 
     class MeteredReduceScatter(DefaultReduceScatter):
+        def __init__(self, host_elements: int) -> None:
+            super().__init__()
+            self.host_elements = host_elements  # of the reduced shard offload copies back to the host
+
         def __call__(
             self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
         ) -> Any:
             start = time.perf_counter()
             work = super().__call__(output_tensor, input_tensor, group, op, async_op)
             record_when_done(meter, work, start, input_tensor.numel() * input_tensor.element_size())
+            if self.host_elements:
+                meter.count(self.host_elements * input_tensor.element_size(), "offload")
             return work
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(MeteredAllGather())
-            module.set_custom_reduce_scatter(MeteredReduceScatter())
+            offloaded = _offloaded(module)
+            to_device = sum(
+                fp._sharded_param_data.numel() * fp._sharded_param_data.element_size() for fp in offloaded
+            )
+            module.set_custom_all_gather(MeteredAllGather(to_device))
+            module.set_custom_reduce_scatter(
+                MeteredReduceScatter(sum(math.prod(fp.sharded_size) for fp in offloaded))
+            )
     return meter
+
+
+def _offloaded(module: Any) -> list[Any]:
+    """The parameters of `module`'s own FSDP unit (torch's FSDPParam) that FSDP keeps in host memory."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [] if group is None else [fp for fp in group.fsdp_params if fp.offload_to_cpu]
+
+
+def offload_policy(device: torch.device) -> Any:
+    """FSDP2's CPUOffloadPolicy; host memory pinned for asynchronous copies where there is a GPU (pinning
+    needs CUDA)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def offload_traffic(
+    units: list[list[nn.Parameter]],
+    ranks: int,
+    *,
+    gathers: int,
+    reduces: int,
+    again: bool,
+    reduce_size: int | None,
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> list[Collective]:
+    """What offload copies between host and device per optimizer step, as `metered_collectives` counts
+    it: before every all-gather (sharded_traffic's) each unit's padded shard, as stored, to the device;
+    after every reduce-scatter the rank's reduced gradient shard (unpadded: W ranks' together are the
+    unit's parameters once) back to the host, in the dtype gradients are reduced in. On one rank FSDP
+    copies the same without calling the collectives the meter wraps: counted 0 there."""
+    shapes = shapes or {}
+    stored = unit_shards(units, ranks, shapes=shapes)
+    if not stored:
+        return []
+    numel = sum(math.prod(shapes.get(id(p), tuple(p.shape))) for ps in units for p in ps)
+    element = next(p for ps in units for p in ps).element_size()
+    gradient = numel / ranks * (reduce_size or element) * reduces
+    calls = len(stored)
+    forward = float(sum(stored) * gathers)
+    metered = 1.0 if ranks > 1 else 0.0
+    return [
+        Collective(
+            "shards to the device before each forward all-gather (offload)",
+            "sendrecv",
+            forward,
+            1,
+            calls * gathers,
+            Overlap.forward,
+            counted=forward * metered,
+            host=True,
+        ),
+        *(
+            [
+                Collective(
+                    "shards to the device again before each backward all-gather (offload)",
+                    "sendrecv",
+                    forward,
+                    1,
+                    calls * gathers,
+                    Overlap.backward,
+                    counted=forward * metered,
+                    host=True,
+                )
+            ]
+            if again
+            else []
+        ),
+        Collective(
+            "reduced gradient shards to the host (offload)",
+            "sendrecv",
+            gradient,
+            1,
+            calls * reduces,
+            Overlap.backward,
+            counted=gradient * metered,
+            host=True,
+        ),
+    ]

@@ -15,7 +15,8 @@ built once per worker; each parallelism works on its sub-mesh. Applied in torcht
    same thing torchtitan's call between the two yields;
 5. data parallelism (dp_replicate x dp_shard > 1): FSDP2 (fully_shard) over the data-parallel mesh,
    each of the model's shard units, then the root; with dp_replicate > 1 HSDP, the 2-D mesh:
-   parameters sharded within a group of dp_shard ranks, gradients all-reduced across the groups.
+   parameters sharded within a group of dp_shard ranks, gradients all-reduced across the groups;
+   offload=true keeps the shards, their gradients and the optimizer state in host memory (fsdp's).
 
 Why one new strategy rather than today's strategies as presets of the degrees: each of those has its
 own code path, measured tables and parity tests, which a rewrite under new degrees would all put at
@@ -50,6 +51,7 @@ from torch import nn
 
 from ... import activation_checkpointing
 from ...config import StrategyConfig
+from ...errors import UserError
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Held, Overlap, Workload
@@ -66,6 +68,8 @@ from ..fsdp import (
     load_full_optimizer_state,
     metered_collectives,
     no_grad_sync,
+    offload_policy,
+    offload_traffic,
     precisions,
     shard_of,
     sharded_traffic,
@@ -121,6 +125,9 @@ class NdConfig(StrategyConfig):
     # training gathers bf16 and does not autocast; fp32: as stored) and reduces gradients in: fsdp's.
     mixed_precision: MixedPrecision | None = None
     reduce_dtype: ReduceDtype = ReduceDtype.fp32
+    # With dp > 1: FSDP's shards, their gradients and the optimizer state in host memory, the optimizer
+    # stepping there (fsdp's offload).
+    offload: bool = False
 
 
 @register
@@ -170,6 +177,13 @@ class Nd(Strategy[NdConfig]):
             checkpointing = plan.activation_checkpointing
             check_schedule(s.schedule, s.stages_per_rank, checkpointing=checkpointing)
             check_microbatches(plan, s.microbatches, s.schedule, degrees.pp, s.stages_per_rank)
+        if self.settings.offload and degrees.dp == 1:
+            raise UserError(
+                f"offload moves FSDP's shards to host memory, and this mesh ({degrees.describe()}) has no "
+                "data-parallel ranks to shard over",
+                setting="strategy.offload",
+                fix="give the mesh data-parallel ranks (strategy.dp_shard=-1), or drop strategy.offload",
+            )
         for setting in ("sequence_parallel", "loss_parallel"):
             if getattr(self.settings, setting) and degrees.tp == 1:
                 log.warning("strategy.%s=true with tp=1 splits nothing: it changes nothing", setting)
@@ -194,7 +208,9 @@ class Nd(Strategy[NdConfig]):
         # With stages, FSDP keeps the gathered parameters for all micro-batches (torchtitan's default).
         reshard = self.settings.reshard_after_forward and degrees.pp == 1
         mixed = self.precisions(degrees, ctx.plan.precision)
-        policy = {"mp_policy": mixed.policy()} if mixed.param is not None else {}
+        policy: dict[str, Any] = {"mp_policy": mixed.policy()} if mixed.param is not None else {}
+        if self.settings.offload:
+            policy["offload_policy"] = offload_policy(ctx.device)
 
         def parallelise(part: nn.Module) -> None:
             """Tensor parallelism, then FSDP, on the modules of `part` (the whole model, or a stage)."""
@@ -378,13 +394,14 @@ class Nd(Strategy[NdConfig]):
                 in_step, buffers = None, 0
                 if degrees.dp_shard > 1:
                     in_step, buffers = gathered_bytes(mine_units, mixed, reshard=reshard, shapes=shapes)
-                    buffers += 0 if reshard else sharded
+                    buffers += 0 if reshard or self.settings.offload else sharded
                 how: dict[str, Any] = {
                     "split": split,
                     "split_key": split_key,
                     "loss_context": loss_context,
                     "param_dtype": mixed.param,
                 }
+                offload = self.settings.offload and degrees.dp > 1
                 held[place] = replace(
                     base,
                     params=sharded,
@@ -392,6 +409,7 @@ class Nd(Strategy[NdConfig]):
                     optimized=trained,
                     in_step=in_step,
                     buffers=buffers,
+                    offloaded=offload,
                     extra=tuple(replace(e, **how) for e in base.extra),
                     **how,
                 )
@@ -501,6 +519,17 @@ class Nd(Strategy[NdConfig]):
             reduced=grads,
             per_node=max(1, job.procs_per_node // degrees.tp),
         )
+        if self.settings.offload:
+            again = self.settings.reshard_after_forward and not staged
+            out += offload_traffic(
+                units,
+                degrees.dp_shard,
+                gathers=job.accumulate,
+                reduces=reduces,
+                again=again,
+                reduce_size=reduce,
+                shapes=shapes,
+            )
         if degrees.dp_replicate > 1 and grads:
             reduced = float(sum(grads)) * reduces
             out.append(
