@@ -57,6 +57,7 @@ KEPT_OPS = frozenset(
         "addmm",
         "bmm",
         "baddbmm",
+        "_scaled_mm",  # float8's (trainer.precision=fp8)
         "convolution",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
@@ -129,7 +130,7 @@ _RESPECT_HOOKS = hook_options(checkpoint)
 
 
 # The matrix products selective_half keeps one in two of.
-HALVED_OPS = frozenset(getattr(_aten, name).default for name in ("mm", "addmm"))
+HALVED_OPS = frozenset(getattr(_aten, name).default for name in ("mm", "addmm", "_scaled_mm"))
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class Precision(Enum):
     fp32 = 32
     bf16 = "bf16"  # autocast to bfloat16 (CPU and GPU)
     fp16 = "fp16"  # autocast to float16 with a GradScaler (CUDA only)
+    fp8 = "fp8"  # bf16, with the blocks' linear layers in float8 (ddpexp/float8.py)
 
     @classmethod
     def of(cls, value: Any) -> Precision:
@@ -57,6 +58,11 @@ class Precision(Enum):
         if isinstance(value, str) and value in cls.__members__:
             return cls[value]
         return cls(value)
+
+
+class Fp8Recipe(StrEnum):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
 
 
 class Mode(StrEnum):
@@ -201,6 +207,9 @@ class TrainerConfig:
     eval_every_steps: int | None = None
     mode: Mode = Mode.train
     precision: Precision = Precision.fp32
+    # With precision=fp8, how each tensor cast to float8 is scaled: tensorwise (one scale per tensor,
+    # torchtitan's default) or rowwise (one per row: more accurate, slower).
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     # Micro-batches per optimizer step. Global batch = per-rank micro-batch x accumulate x world size.
     accumulate: int = 1
     # Clip the (synchronised) gradient to this total L2 norm (None: no clipping).

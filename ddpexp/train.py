@@ -17,6 +17,7 @@ from . import (
     activation_checkpointing,
     distributed,
     faults,
+    float8,
     flops,
     memory,
     models,
@@ -26,7 +27,7 @@ from . import (
     tasks,
     weights,
 )
-from .config import Mode
+from .config import Mode, Precision
 from .context import RunContext
 from .data import DataSource, Splits, build_source, loaders
 from .engine import Engine, LoopSettings
@@ -51,6 +52,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     model = build_model(job, splits)
     peak = flops.peak_flops(trainer.peak_flops, ctx.device, settings.precision)
     settings = with_throughput(settings, splits, model, peak[0])
+    if settings.precision == Precision.fp8:
+        float8.convert(model, recipe=str(trainer.fp8_recipe), device=ctx.device)
     activations = memory.ActivationMeter()  # the engine measures with it; recomputations report to it
     activation_checkpointing.apply(model, trainer.activation_checkpointing, meter=activations)
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)

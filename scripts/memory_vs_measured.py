@@ -60,6 +60,8 @@ CASES: list[tuple[str, list[str]]] = [
         "gpt_tiny pipeline W2 zbv ac=full",
         [*GPT, "strategy=pipeline", "strategy.schedule=zbv", "trainer.activation_checkpointing=full"],
     ),
+    ("gpt_tiny single fp8", [*GPT, "strategy=single", "trainer.precision=fp8"]),
+    ("gpt_tiny fsdp W2 fp8", [*GPT, "strategy=fsdp", "dist.nprocs=2", "trainer.precision=fp8"]),
     ("gpt_tiny fsdp W2 offload", [*GPT, "strategy=fsdp", "dist.nprocs=2", "strategy.offload=true"]),
     ("gpt_tiny nd_2d W4", [*GPT, "strategy=nd_2d", "dist.nprocs=4"]),
     ("gpt_tiny nd_2d W4 offload", [*GPT, "strategy=nd_2d", "dist.nprocs=4", "strategy.offload=true"]),

@@ -136,7 +136,7 @@ REFUSALS = [
     (["++strategy.sync_bn=true"], ["strategy.sync_bn", "not in 'SingleConfig'", "strategy=ddp"]),
     (["trainer.epochz=3"], ["trainer.epochz", "not in 'TrainerConfig'", "did you mean trainer.epochs?"]),
     (["stratgy=ddp"], ["stratgy", "did you mean strategy?"]),
-    (["trainer.precision=16"], ["trainer.precision", "expected one of [fp32, bf16, fp16]"]),
+    (["trainer.precision=16"], ["trainer.precision", "expected one of [fp32, bf16, fp16, fp8]"]),
     (["optim.scale_rule=cubic"], ["optim.scale_rule", "expected one of [none, linear, sqrt]"]),
     (["checkpoint.best_mode=best"], ["checkpoint.best_mode", "expected one of [max, min]"]),
     (["device=tpu"], ["device", "expected one of [auto, cpu, cuda]"]),

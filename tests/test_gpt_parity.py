@@ -76,6 +76,12 @@ ALONE: dict[str, list[str]] = {
     "single bf16": ["strategy=single", "trainer.precision=bf16"],
     "fsdp bf16 training": ["strategy=fsdp", "trainer.precision=bf16"],
     "nd bf16 training": ["strategy=nd", "strategy.dp_shard=2", "trainer.precision=bf16"],
+    "single fp8": ["strategy=single", "trainer.precision=fp8"],
+    "ddp fp8": ["strategy=ddp", "trainer.precision=fp8"],
+    "fsdp fp8": ["strategy=fsdp", "trainer.precision=fp8"],
+    "nd tp 2 fp8": ["strategy=nd", "strategy.tp=2", "strategy.dp_shard=1", "trainer.precision=fp8"],
+    "pipeline fp8": ["strategy=pipeline", "trainer.precision=fp8"],
+    "single fp8 rowwise": ["strategy=single", "trainer.precision=fp8", "trainer.fp8_recipe=rowwise"],
     "pipeline 2x2 accumulate=2": ["strategy=pipeline", "strategy.replicas=2", "trainer.accumulate=2"],
     "pipeline_1f1b 2x2": ["strategy=pipeline_1f1b", "strategy.replicas=2"],
     "single clip": ["strategy=single", *CLIP],
@@ -216,6 +222,30 @@ def test_bf16_training_gathers_bf16_parameters_and_trains_as_close_to_single_as_
     assert bf16[gathered] == pytest.approx(fp32[gathered] / 2, rel=1e-9)
     assert bf16[reduced] == pytest.approx(fp32[reduced], rel=1e-9)
     assert predicted_bytes(gpt_runs[name]) == pytest.approx(bf16["comm/bytes_per_step"], rel=1e-9)
+
+
+FP8 = ["single fp8", "ddp fp8", "fsdp fp8", "nd tp 2 fp8", "pipeline fp8", "single fp8 rowwise"]
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_training_lands_within_its_stated_bound_of_bf16(gpt_runs: dict[str, Path], name: str):
+    """trainer.precision=fp8 (the blocks' linear layers in float8, dynamic scales; emulated products on
+    this CPU) on single and composed with ddp, fsdp, nd's tensor parallelism and a pipeline: the model
+    lands within 16 times autocast's own distance from fp32 of single bf16 (measured 7.8-8.9 times,
+    2.1e-2 to 2.4e-2 against 2.7e-3), the eval loss within 1% of single bf16's. test_float8 has the
+    control that breaks this bound. Each rank scales its own shard of the batch, so the strategies are
+    not bitwise single fp8's: their bound is the same one."""
+    start = weights(gpt_runs["init"])
+    own = whole_drift(weights(gpt_runs["single bf16"]), weights(gpt_runs["single"]), start)
+    measured = whole_drift(weights(gpt_runs[name]), weights(gpt_runs["single bf16"]), start)
+    assert own < measured <= 16 * own, f"{name}: {measured:.3g} from single bf16; bf16 itself {own:.3g}"
+    world = 1 if name.startswith("single") else 2
+    ours, theirs = assert_same_job(gpt_runs[name], gpt_runs["single bf16"], world)
+    assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-2, abs=0)
+    if world > 1:  # fp8 changes the products, not what the strategy sends: as declared
+        from ddpexp.predict import predicted_bytes
+
+        assert predicted_bytes(gpt_runs[name]) == pytest.approx(ours["comm/bytes_per_step"], rel=1e-9)
 
 
 def test_the_measure_catches_a_gradient_off_by_a_tenth_of_a_percent(gpt_runs: dict[str, Path]):

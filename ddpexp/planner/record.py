@@ -31,7 +31,10 @@ FITTED: dict[str, list[tuple[str, str]]] = {
         ("matmul_efficiency.bf16", "mosaicml-mpt7b-2048-8xh100"),
     ],
     "a100_sxm_80gb": [("matmul_efficiency.bf16", "mosaicml-mpt7b-2048-8xa100")],
-    "h100_96gb_500w": [("matmul_efficiency.bf16", "torchtitan-8b-8gpu-fsdp")],
+    "h100_96gb_500w": [
+        ("matmul_efficiency.bf16", "torchtitan-8b-8gpu-fsdp"),
+        ("matmul_efficiency.fp8", "torchtitan-8b-8gpu-fsdp-compile-float8"),
+    ],
 }
 
 

@@ -330,8 +330,8 @@ class _Runner:
     def build(self, *, layers: int | None = None, dtype: torch.dtype | None = None) -> nn.Module:
         from omegaconf import OmegaConf
 
-        from .. import activation_checkpointing, models
-        from ..config import ActivationCheckpointing
+        from .. import activation_checkpointing, float8, models
+        from ..config import ActivationCheckpointing, Precision
 
         spec: Any = self.cfg.model if layers is None else OmegaConf.merge(self.cfg.model, {"n_layer": layers})
         before = torch.get_default_dtype()
@@ -342,6 +342,9 @@ class _Runner:
                 model = models.build(spec, self.info)
         finally:
             torch.set_default_dtype(before)
+        if Precision.of(self.cfg.trainer.precision) == Precision.fp8:
+            with self.mode:
+                float8.convert(model, recipe=str(self.cfg.trainer.get("fp8_recipe", "tensorwise")))
         activation_checkpointing.apply(
             model, ActivationCheckpointing(self.cfg.trainer.activation_checkpointing), meter=self.meter
         )

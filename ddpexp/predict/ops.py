@@ -156,8 +156,12 @@ class Work:
 
 
 def _local(t: Any) -> Any:
+    """What holds `t`'s elements: a DTensor's local shard; a float8 tensor's (torchao's
+    Float8TrainingTensor, trainer.precision=fp8) 1-byte data, whatever dtype it presents."""
     local = getattr(t, "_local_tensor", None)
-    return t if local is None else local
+    t = t if local is None else local
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and hasattr(t, "_scale") else t
 
 
 def _key(t: torch.Tensor) -> int | None:

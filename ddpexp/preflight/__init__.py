@@ -344,7 +344,8 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     strategy cannot handle in milliseconds, without allocating a single weight."""
     import torch
 
-    from .. import activation_checkpointing, models, strategies
+    from .. import activation_checkpointing, float8, models, strategies
+    from ..config import Precision
 
     try:
         with torch.device("meta"):
@@ -356,6 +357,8 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
     strategies.resolve(cfg.strategy).check_model(model)
     activation_checkpointing.check(model, cfg.trainer.activation_checkpointing)
+    if Precision.of(cfg.trainer.precision) == Precision.fp8:
+        float8.check(model)
     return model
 
 
