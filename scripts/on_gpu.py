@@ -92,11 +92,22 @@ def error(cell: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["case", "step ms", "tokens/s", "MFU", "peak", "params", "grads", "optimizer", "activations"]
+    head = [
+        "case",
+        "step ms",
+        "tokens/s",
+        "MFU",
+        "peak",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "host",
+    ]
     lines = [head]
     for r in rows:
         if "failed" in r:
-            lines.append([r["case"], "failed: " + r["failed"][:60], *[""] * 7])
+            lines.append([r["case"], "failed: " + r["failed"][:60], *[""] * (len(head) - 2)])
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         lines.append(

@@ -34,6 +34,7 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
         "buffers": 0,
         "tensor_parallel": 0,
         "activations": 0,
+        "offload": 0,
     }
     assert meter.take() == (0.0, dict.fromkeys(nbytes, 0))
 
@@ -42,7 +43,7 @@ def test_a_meter_no_engine_steps_times_everything():
     meter = CommMeter()
     meter.record(0.0, 2.0, 4)
     meter.record(1.0, 3.0, 4)
-    zero = {"parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0, "activations": 0}
+    zero = {"parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0, "activations": 0, "offload": 0}
     assert meter.take() == (3.0, {"gradients": 8, **zero})
 
 
@@ -56,7 +57,15 @@ def test_a_paused_meter_counts_and_times_nothing():
     meter.record(5.0, 6.0, 1)
     assert meter.take() == (
         1.0,
-        {"gradients": 1, "parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0, "activations": 0},
+        {
+            "gradients": 1,
+            "parameters": 0,
+            "sync_bn": 0,
+            "buffers": 0,
+            "tensor_parallel": 0,
+            "activations": 0,
+            "offload": 0,
+        },
     )
 
 

@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ddpexp
 from ddpexp import fsutil, report, runrecord, strategies
 from ddpexp.composition import expand
+from ddpexp.config import Precision
 from ddpexp.report.prediction import prediction
 from ddpexp.report.table import table as report_table
 from ddpexp.runrecord import strategy_label
@@ -228,6 +229,7 @@ def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tm
         ("sharding", 6),
         ("architectures", 8),
         ("gpt_strategies", 11),
+        ("frontier", 14),
     ],
 )
 def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
@@ -624,3 +626,32 @@ def test_repeats_run_each_job_n_times_and_the_report_pools_them(tmp_path: Path, 
     (group,) = report.group_runs(report.find_runs([tmp_path / "sweep"]))
     (row,) = group.rows
     assert len(row.runs) == 3
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_frontier_preset_runs_fp8_and_bf16_under_fsdp_offload_and_every_schedule():
+    """Composition only: each of fsdp, fsdp_offload and the five pipeline schedules in bf16 and in fp8,
+    gpt_small at one global batch on 2 ranks (the pipelines as 2 stages), every job passing pre-flight
+    on this CPU-only host."""
+    from ddpexp.plan import HostFacts
+    from ddpexp.preflight import check_job
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand(["experiment=frontier"], multirun=True, compose=comp)
+    assert varying == {"strategy", "trainer.precision"}
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    seen = set()
+    for job in expanded:
+        cfg = comp(job)
+        plan = check_job(cfg, host, multirun=True)
+        assert (plan.world_size, plan.global_batch, cfg.model.n_layer) == (2, 16, 4)
+        resolved = strategies.resolve(cfg.strategy)
+        schedule = str(cfg.strategy.get("schedule", "")) or None
+        offload = getattr(resolved.settings, "offload", False)
+        seen.add((resolved.name, offload, schedule, Precision.of(cfg.trainer.precision).name))
+    schedules = {s for _, _, s, _ in seen if s}
+    assert schedules == {"1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"}
+    assert {("fsdp", True, None, "fp8"), ("fsdp", False, None, "bf16")} <= seen
+    assert len(seen) == 14
