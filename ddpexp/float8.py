@@ -5,7 +5,7 @@ Each `nn.Linear` inside a block the model declares (models.declared_blocks: the 
 activation checkpointing wraps) whose two dimensions are multiples of 16 becomes torchao's
 `Float8Linear` with dynamic scaling: at every call the input and the weight are cast to float8 e4m3
 and the output's gradient to e5m2, each with a scale from its own absolute maximum (`tensorwise`: one
-scale a tensor; `rowwise`: one a row, strategy-free `trainer.float8.recipe`), and the products run in
+scale a tensor; `rowwise`: one a row, `trainer.fp8_recipe`), and the products run in
 `torch._scaled_mm` with bf16 outputs. The embedding and the output head stay bf16 (they are outside
 the blocks), and so does everything that is not a matrix product, under the engine's bf16 autocast or
 FSDP's bf16 parameters. Parameters, gradients and optimizer state stay as stored (fp32).
@@ -16,7 +16,7 @@ precision or strategy. Dimensions not multiples of 16 are left in bf16: `_scaled
 On a CPU the products are emulated (torchao's `emulate`): the same casts to float8 with the same
 scales, each product computed on the float8 values widened to fp32. torch._scaled_mm does run on a
 CPU, but as a reference loop about 50 times slower than the emulation on gpt_tiny's shapes
-(docs/precision.md), so a CPU run proves the recipe's numerics, not the kernel's speed.
+(docs/training.md), so a CPU run proves the recipe's numerics, not the kernel's speed.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ from torch import nn
 
 from . import models
 from .errors import UserError
-
-log = logging.getLogger(__name__)
-
-RECIPES = ("tensorwise", "rowwise")
 
 
 @contextlib.contextmanager

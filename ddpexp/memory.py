@@ -82,11 +82,13 @@ def local_bytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
+def _state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[Any] | None = None) -> Iterable[Any]:
+    """The optimizer's state tensors on this rank; `params`: of those parameters only."""
     # ZeroRedundancyOptimizer keeps this rank's shard in the optimizer it wraps (`optim`).
     inner = getattr(optimizer, "optim", None)
     source = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
-    for state in source.state.values():
+    states = source.state.values() if params is None else (source.state.get(p, {}) for p in params)
+    for state in states:
         yield from (v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
@@ -94,38 +96,30 @@ def resident_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     # A parameter on the meta device is held by another rank (a pipeline's other stages).
     params = [p for p in model.parameters() if not p.is_meta]
     offloaded = _offloaded(model)
-    inner = getattr(optimizer, "optim", None)
-    source = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
-    host = sum(
-        local_bytes(p)
-        + local_bytes(p.grad)
-        + sum(
-            local_bytes(t)
-            for t in source.state.get(p, {}).values()
-            if isinstance(t, torch.Tensor) and t.dim()
-        )
-        for p in params
-        if id(p) in offloaded
-    )
+    host = [p for p in params if id(p) in offloaded]
+    held = sum(local_bytes(p) + local_bytes(p.grad) for p in host)
+    held += sum(local_bytes(t) for t in _state_tensors(optimizer, host))
     return {
         "mem/params_mb": sum(local_bytes(p) for p in params) / MB,
         "mem/grads_mb": sum(local_bytes(p.grad) for p in params) / MB,
         "mem/optim_state_mb": sum(local_bytes(t) for t in _state_tensors(optimizer)) / MB,
-        "mem/host_mb": host / MB,
+        "mem/host_mb": held / MB,
     }
 
 
+def offloaded_params(module: Any) -> list[Any]:
+    """The parameters of an FSDP module's own unit (torch's FSDPParam) that FSDP keeps in host memory
+    (its CPUOffloadPolicy), read from FSDP's state."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [] if group is None else [fp for fp in group.fsdp_params if fp.offload_to_cpu]
+
+
 def _offloaded(model: torch.nn.Module) -> set[int]:
-    """Ids of the parameters FSDP keeps in host memory (its CPUOffloadPolicy), read from FSDP's state."""
+    """Ids of the model's parameters FSDP keeps in host memory."""
     from torch.distributed.fsdp import FSDPModule
 
-    out: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                out |= {id(fp.sharded_param) for fp in group.fsdp_params if fp.offload_to_cpu}
-    return out
+    modules = (m for m in model.modules() if isinstance(m, FSDPModule))
+    return {id(fp.sharded_param) for m in modules for fp in offloaded_params(m)}
 
 
 class ActivationMeter:

@@ -6,12 +6,11 @@ cluster's links that compute does not hide: timing.py) and what a run to a targe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ActivationCheckpointing, Precision
 from ..errors import UserError
-from ..predict.interconnect import load_profile
 from .profiles import GIB, Cluster
 from .space import Candidate
 from .timing import StepTime, compute, exposed_s, host_optimizer_s, optimizer_s
@@ -262,8 +261,7 @@ def estimate(
         precision=job.precision,
     )
     shards = len(set(strategy.data_layout(world_size=world)))
-    links = replace(fabric, host=load_profile(cluster.hardware.host_link).link)
-    timed = [(c, links.time_s(c)) for c in communication(strategy, work, cache)]
+    timed = [(c, fabric.time_s(c)) for c in communication(strategy, work, cache)]
     if cluster.achieved_mfu is not None:
         times = _at_assumed_mfu(cfg, job, cluster, strategy, work, timed)
     else:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import UserError
+from ..predict.interconnect import load_profile
 from .estimate import Estimate, Job, estimate, launch_args, preflight, strategy_of
 from .profiles import Cluster
 from .space import AC_MODES, Candidate, Settings, accumulations, meshes
@@ -69,6 +70,8 @@ def search(
     from ..predict.memory import fresh_fake_process_group
 
     fresh_fake_process_group()
+    # Offload's copies cross each device's own link to its host.
+    fabric = replace(fabric, host=load_profile(cluster.hardware.host_link).link)
     cache = {} if cache is None else cache
     given = given_layout(job.overrides, job)
     if given is not None:

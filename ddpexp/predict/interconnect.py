@@ -4,6 +4,7 @@ a `Collective` into time on it, and the links a prediction uses (`Fabric`), from
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -151,7 +152,7 @@ class Fabric:
 
     def time_s(self, c: Collective) -> float:
         if c.host:
-            return collective_time(c, self.host or load_profile(HOST_LINK).link)
+            return collective_time(c, self.host or _default_host_link())
         links = self.inter if c.inter_node else self.intra
         if links is None:
             raise UserError(
@@ -170,6 +171,11 @@ class Fabric:
 
 
 # ------------------------------------------------------------------------------------------ fabrics
+
+
+@functools.cache
+def _default_host_link() -> Link:
+    return load_profile(HOST_LINK).link
 
 
 def profile_names() -> list[str]:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
+from ..memory import offloaded_params
 from ..models import declared_blocks
 from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import Collective, CommMeter, Held, Overlap, Workload, record_when_done
@@ -542,7 +543,7 @@ def metered_collectives(model: nn.Module) -> CommMeter:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            offloaded = _offloaded(module)
+            offloaded = offloaded_params(module)
             to_device = sum(
                 fp._sharded_param_data.numel() * fp._sharded_param_data.element_size() for fp in offloaded
             )
@@ -551,12 +552,6 @@ def metered_collectives(model: nn.Module) -> CommMeter:
                 MeteredReduceScatter(sum(math.prod(fp.sharded_size) for fp in offloaded))
             )
     return meter
-
-
-def _offloaded(module: Any) -> list[Any]:
-    """The parameters of `module`'s own FSDP unit (torch's FSDPParam) that FSDP keeps in host memory."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    return [] if group is None else [fp for fp in group.fsdp_params if fp.offload_to_cpu]
 
 
 def offload_policy(device: torch.device) -> Any:
@@ -592,41 +587,20 @@ def offload_traffic(
     calls = len(stored)
     forward = float(sum(stored) * gathers)
     metered = 1.0 if ranks > 1 else 0.0
+
+    def copy(what: str, nbytes: float, launches: int, overlaps: Overlap) -> Collective:
+        return Collective(
+            what, "sendrecv", nbytes, 1, launches, overlaps, counted=nbytes * metered, host=True
+        )
+
+    again_copy = "shards to the device again before each backward all-gather (offload)"
     return [
-        Collective(
+        copy(
             "shards to the device before each forward all-gather (offload)",
-            "sendrecv",
             forward,
-            1,
             calls * gathers,
             Overlap.forward,
-            counted=forward * metered,
-            host=True,
         ),
-        *(
-            [
-                Collective(
-                    "shards to the device again before each backward all-gather (offload)",
-                    "sendrecv",
-                    forward,
-                    1,
-                    calls * gathers,
-                    Overlap.backward,
-                    counted=forward * metered,
-                    host=True,
-                )
-            ]
-            if again
-            else []
-        ),
-        Collective(
-            "reduced gradient shards to the host (offload)",
-            "sendrecv",
-            gradient,
-            1,
-            calls * reduces,
-            Overlap.backward,
-            counted=gradient * metered,
-            host=True,
-        ),
+        *([copy(again_copy, forward, calls * gathers, Overlap.backward)] if again else []),
+        copy("reduced gradient shards to the host (offload)", gradient, calls * reduces, Overlap.backward),
     ]

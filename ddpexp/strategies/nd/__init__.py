@@ -391,17 +391,17 @@ class Nd(Strategy[NdConfig]):
                     mine = shard_of(shape, degrees.dp_shard, at["dp_shard"]) * p.element_size()
                     sharded += mine
                     trained += mine if p.requires_grad else 0
+                offload = self.settings.offload and degrees.dp > 1
                 in_step, buffers = None, 0
                 if degrees.dp_shard > 1:
                     in_step, buffers = gathered_bytes(mine_units, mixed, reshard=reshard, shapes=shapes)
-                    buffers += 0 if reshard or self.settings.offload else sharded
+                    buffers += 0 if reshard or offload else sharded
                 how: dict[str, Any] = {
                     "split": split,
                     "split_key": split_key,
                     "loss_context": loss_context,
                     "param_dtype": mixed.param,
                 }
-                offload = self.settings.offload and degrees.dp > 1
                 held[place] = replace(
                     base,
                     params=sharded,
