@@ -71,6 +71,12 @@ CASES: list[tuple[str, list[str]]] = [
         [*GPT, "strategy=nd_2d_sp", "strategy.loss_parallel=true", "dist.nprocs=4"],
     ),
     ("gpt_tiny nd_hsdp W4", [*GPT, "strategy=nd_hsdp", "dist.nprocs=4"]),
+    ("gpt_tiny nd_cp W2", [*GPT, "strategy=nd_cp", "dist.nprocs=2"]),
+    ("gpt_tiny nd_cp W4", [*GPT, "strategy=nd_cp", "dist.nprocs=4"]),
+    (
+        "gpt_tiny nd_cp W2 bf16 rope",
+        [*GPT, "strategy=nd_cp", "trainer.precision=bf16", "model.pos_embedding=rope"],
+    ),
     ("gpt_tiny nd_pp_fsdp W4", [*GPT, "strategy=nd_pp_fsdp", "dist.nprocs=4"]),
     ("gpt_tiny nd_pp_tp W4", [*GPT, "strategy=nd_pp_tp", "dist.nprocs=4"]),
     *[

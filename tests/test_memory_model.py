@@ -52,11 +52,13 @@ def test_predicted_memory_per_rank_matches_what_runs_measure(tmp_path: Path):
     roles, FSDP over two pipeline stages of a transformer, and the schedules that run two stages a
     rank (a loop, a V; backwards split for zero bubble, with and without checkpointing), alone and
     with FSDP inside, and FSDP offloading its states to the host under fsdp and nd (dp_shard 2 x
-    tp 2), and float8 training alone and under fsdp: every rank and category within 10%."""
+    tp 2), float8 training alone and under fsdp, and context parallelism (half of every sequence a
+    rank: alone, under FSDP, in bf16 with RoPE): every rank and category within 10%."""
     cases = "convnet zero W3,convnet fsdp W3,convnet pipeline_1f1b W3,convnet ps W3,gpt_tiny nd_pp_fsdp W4"
     cases += ",W2 interleaved_zero_bubble,W2 dualpipev,W2 zbv ac=full"  # and nd_pp_fsdp W4's schedules
     cases += ",offload"  # fsdp W2 and nd_2d W4 with their states on the host: five categories
     cases += ",fp8"  # single and fsdp W2 with the blocks' linear layers in float8
+    cases += ",nd_cp"  # cp 2 alone, dp_shard 2 x cp 2, cp 2 in bf16 with RoPE
     script = ROOT / "scripts" / "memory_vs_measured.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--only", cases, "--out", str(tmp_path / "runs")],
@@ -70,7 +72,7 @@ def test_predicted_memory_per_rank_matches_what_runs_measure(tmp_path: Path):
     judged = summary.split(" (case")[0]  # "N of M"
     good, total = (int(x) for x in judged.split(" of "))
     # every rank of every case, four categories each, five offloaded
-    assert total == (3 + 3 + 3 + 3 + 3 * 4 + 2 + 2 + 2 + 1 + 2) * 4 + (2 + 4) * 5, proc.stdout
+    assert total == (3 + 3 + 3 + 3 + 3 * 4 + 2 + 2 + 2 + 1 + 2 + 2 + 4 + 2) * 4 + (2 + 4) * 5, proc.stdout
     assert good == total, proc.stdout
 
 

@@ -1,4 +1,4 @@
-"""strategy=nd: data, tensor, sequence and pipeline parallelism composed on one device mesh.
+"""strategy=nd: data, tensor, sequence, context and pipeline parallelism composed on one device mesh.
 
 Every combination that fits a world of 4 on CPU trains the
 transformer to single's parameters at the same global batch, within test_gpt_parity's fp32 bound
@@ -64,6 +64,12 @@ MESHES: dict[str, tuple[int, list[str]]] = {
             "strategy.loss_parallel=true",
         ],
     ),
+    # Context parallelism: each rank 1/2 of every sequence, attention a ring; composed with FSDP (over
+    # dp_shard x cp), tensor parallelism and stages.
+    "cp 2": (2, ["strategy.cp=2", "strategy.dp_shard=1"]),
+    "dp_shard 2 x cp 2": (4, ["strategy.dp_shard=2", "strategy.cp=2", *CHECKPOINTED]),
+    "cp 2 x tp 2": (4, ["strategy.cp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
+    "pp 2 x cp 2": (4, ["strategy.pp=2", "strategy.cp=2", "strategy.dp_shard=1"]),
     # Each stage's blocks compiled after tensor parallelism (a whole stage compiled fails here).
     "pp 2 x tp 2 compiled": (
         4,
@@ -120,6 +126,8 @@ def test_the_bytes_each_mesh_sends_are_the_bytes_its_cost_model_declares(nd_runs
         assert final["comm/bytes_per_step/tensor_parallel"] > 0
     else:
         assert "comm/bytes_per_step/tensor_parallel" not in final
+    ring = final.get("comm/bytes_per_step/context_parallel", 0)
+    assert ring == predicted_bytes(nd_runs[name], kind="context_parallel") and (ring > 0) == ("cp" in name)
     assert 0 < final["comm/share"] <= 1  # a share of the wall time
 
 
@@ -183,17 +191,22 @@ def test_a_model_with_batchnorm_trains_and_evaluates_in_stages(tmp_path: Path):
     assert record["status"] == "completed" and "eval/acc" in record["final"], record
 
 
+@pytest.mark.parametrize(
+    ("mesh", "resumed"),
+    [
+        ("dp_shard 2 x tp 2", {"tp": ["strategy.tp=2", "strategy.sequence_parallel=true"]}),
+        ("dp_shard 2 x cp 2", {"cp": ["strategy.cp=2", "strategy.dp_shard=1"]}),
+    ],
+)
 def test_a_2d_checkpoint_resumes_under_single_and_under_another_mesh(
-    nd_runs: dict[str, Path], tmp_path: Path
+    nd_runs: dict[str, Path], tmp_path: Path, mesh: str, resumed: dict[str, list[str]]
 ):
-    """dp_shard 2 x tp 2's checkpoint at step 4 holds full, plain state: single and tp 2 with sequence
-    parallelism each continue from it to the uninterrupted 2-D run's parameters at step 8."""
-    uninterrupted = nd_runs["dp_shard 2 x tp 2"]
+    """A 2-D mesh's checkpoint at step 4 holds full, plain state: single and another mesh each
+    continue from it to the uninterrupted 2-D run's parameters at step 8."""
+    uninterrupted = nd_runs[mesh]
     start = uninterrupted / "checkpoints" / "step-00000004.pt"
-    for name, args in {
-        "single": ["strategy=single"],
-        "tp": ["strategy=nd", "strategy.tp=2", "strategy.sequence_parallel=true"],
-    }.items():
+    others = {name: ["strategy=nd", *args] for name, args in resumed.items()}
+    for name, args in {"single": ["strategy=single"], **others}.items():
         result = run_here(tmp_path, *GPT, *args, f'trainer.resume="{start}"', f"hydra.run.dir={name}")
         assert result.returncode == 0, result
         measured = drift(weights(tmp_path / name), weights(uninterrupted), weights(nd_runs["init"]))
@@ -225,10 +238,15 @@ def test_compile_compiles_each_block_in_place_and_leaves_the_rest_eager():
 
 
 def test_degrees_take_the_rest_of_the_world_and_lay_ranks_tp_innermost():
-    assert resolve({"pp": 1, "dp_replicate": 1, "dp_shard": -1, "tp": 2}, 8) == Degrees(1, 1, 4, 2)
+    assert resolve({"pp": 1, "dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 2}, 8) == Degrees(1, 1, 4, 2)
     d = Degrees(pp=1, dp_replicate=2, dp_shard=2, tp=2)
     assert [d.data_shard(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert d.coordinates(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert d.coordinates(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}
+    # cp ranks sit between dp_shard and tp: they read the same samples, and FSDP shards over them too.
+    d = Degrees(dp_shard=2, cp=2, tp=2)
+    assert [d.data_shard(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert d.coordinates(6) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 1, "tp": 0}
+    assert (d.dp, d.shard, d.fsdp) == (2, 4, 4)
 
 
 @pytest.mark.parametrize(
@@ -241,7 +259,7 @@ def test_degrees_take_the_rest_of_the_world_and_lay_ranks_tp_innermost():
     ],
 )
 def test_bad_degrees_are_refused_naming_the_setting(given: dict[str, int], world: int, words: list[str]):
-    full = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **given}
+    full = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, **given}
     with pytest.raises(UserError) as refused:
         resolve(full, world)
     line = str(refused.value)
@@ -266,6 +284,14 @@ def test_bad_degrees_are_refused_naming_the_setting(given: dict[str, int], world
             ["no tensor-parallel plan"],
         ),
         (["strategy.pp=5", "strategy.dp_shard=1"], ["strategy.pp: GPT splits into at most 4 stages, not 5"]),
+        (
+            ["strategy.cp=3", "strategy.dp_shard=1"],
+            ["strategy.cp", "2 x cp = 6 equal chunks", "64 tokens do not divide", "[2, 4, 8, 16, 32]"],
+        ),
+        (
+            ["model=mlp", "data=synthetic", "task=classification", "strategy.cp=2"],
+            ["strategy.cp", "MLP cannot be told which positions"],
+        ),
         (
             ["strategy.pp=2", "strategy.dp_shard=1", "strategy.microbatches=3"],
             ["strategy.microbatches", "does not split into 3 micro-batches"],

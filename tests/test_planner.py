@@ -275,6 +275,52 @@ def test_offload_is_proposed_where_nothing_else_fits_with_the_host_s_time(tmp_pa
     assert "no strategy fits on 1 x H100 SXM 80GB" in line and "GiB a node to host memory of 64 GiB" in line
 
 
+def test_long_sequences_are_planned_with_context_parallelism_within_a_node():
+    """From 16k tokens on, each node's ranks may split every sequence 2, 4 or 8 ways (FSDP over the
+    rest), where the sequence cuts into 2 x cp chunks; not below, nor over more ranks than a node has."""
+    from ddpexp.planner.space import meshes
+
+    cluster = load_cluster("8xh100_96gb_500w", nodes=2)
+    labels = [c.label for c in meshes(cluster, 32, seq_len=131072)]
+    assert {"nd fsdp8 x cp2", "nd fsdp4 x cp4", "nd fsdp2 x cp8"} <= set(labels)
+    assert not any("cp16" in label for label in labels)
+    assert not any("cp" in c.label for c in meshes(cluster, 32, seq_len=8192))
+    odd = [c.label for c in meshes(cluster, 32, seq_len=16388)]  # 4 x 4097: only cp 2 cuts it
+    assert [label for label in odd if "cp" in label] == ["nd fsdp8 x cp2"]
+
+
+def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
+    """Llama 3.1 8B at 131,072 tokens on 8 H100s, a global batch of 8 sequences: under FSDP a rank
+    holds all of its sequence's activations and logits and does not fit; split over two rings of
+    cp 4 (as torchtitan's sweep ran it), each ring's sequences one at a time (accumulated), a rank
+    holds 32k tokens and fits, its keys and values crossing NVLink (the ring's bytes, in the node's)."""
+    base = [
+        "model=llama3_1_8b",
+        "model.block_size=131072",
+        "optim=adamw",
+        "trainer.precision=bf16",
+        "trainer.batch_size=8",
+        "trainer.activation_checkpointing=full",
+        "--cluster",
+        "8xh100_96gb_500w",
+        "--seq-len",
+        "131072",
+        "--format",
+        "json",
+    ]
+    rows = {}
+    for name, layout in {
+        "fsdp": ["strategy=fsdp"],
+        "cp": ["strategy=nd", "strategy.cp=4", "trainer.accumulate=4"],
+    }.items():
+        result = run_here(tmp_path, "plan", *layout, *base)
+        assert result.returncode == 0, result
+        (rows[name],) = json.loads(result.stdout)["plans"]
+    assert not rows["fsdp"]["fits"] and rows["cp"]["fits"], rows
+    assert rows["cp"]["peak_gib_per_rank"] < rows["fsdp"]["peak_gib_per_rank"] / 2
+    assert rows["cp"]["bytes_per_step_intra_node"] > rows["fsdp"]["bytes_per_step_intra_node"]
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

@@ -17,14 +17,16 @@ columns leaves each rank its own heads.
 
 Splits: `stages()` = embeddings, each block, final norm + head (ddp_mp and pipeline group them);
 `shard_units()` = the blocks (fsdp); `parallel_plan()` = how tensor parallelism splits each module
-(strategy=nd). `adapt_state_dict` reads GPT-2 files under Hugging Face's and
-nanoGPT's names (weights.py calls it); `flops_per_token` is the MFU numerator.
+(strategy=nd); `sequence_positions()` = the positions of the tokens a rank holds when context
+parallelism splits each sequence (strategy=nd's cp). `adapt_state_dict` reads GPT-2 files under Hugging
+Face's and nanoGPT's names (weights.py calls it); `flops_per_token` is the MFU numerator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +64,25 @@ class GPTConfig:
         return self.dim // self.n_head
 
 
+class Positions:
+    """The positions of the tokens this rank's forward runs on, where they are not 0..L-1 (context
+    parallelism hands each rank non-contiguous parts of every sequence); None: 0..L-1. One object
+    shared by the model's modules (not a buffer: nothing to save, shard or move), read in the
+    backward's recomputation too, which may run on another thread."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def of(self, length: int, device: torch.device) -> torch.Tensor:
+        if self.value is None:
+            return torch.arange(length, device=device)
+        return self.value.to(device)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, positions: Positions) -> None:
         super().__init__()
+        self.positions = positions
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_head * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_head * cfg.head_dim, bias=cfg.bias)
@@ -79,7 +97,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, length, -1, self.head_dim)
         v = self.wv(x).view(batch, length, -1, self.head_dim)
         if self.rope_theta is not None:
-            cos, sin = rope_angles(length, self.head_dim, self.rope_theta, x.device)
+            cos, sin = rope_angles(
+                self.positions.of(length, x.device), self.head_dim, self.rope_theta, x.device
+            )
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=self.grouped
@@ -87,12 +107,16 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-def rope_angles(length: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """cos and sin of position x frequency, (length, 1, head_dim / 2): frequency i is theta^(-2i/head_dim).
-    Computed per call rather than kept as a buffer, so no tensor is shared between blocks (each block
-    may be another stage, shard unit or device)."""
+def rope_angles(
+    positions: int | torch.Tensor, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """cos and sin of position x frequency, (length, 1, head_dim / 2), at `positions` (an int L: 0..L-1):
+    frequency i is theta^(-2i/head_dim). Computed per call rather than kept as a buffer, so no tensor is
+    shared between blocks (each block may be another stage, shard unit or device)."""
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
     freqs = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), freqs)
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), freqs)
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 
@@ -127,10 +151,10 @@ def _norm(cfg: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, positions: Positions | None = None) -> None:
         super().__init__()
         self.attention_norm = _norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, Positions() if positions is None else positions)
         self.ffn_norm = _norm(cfg)
         self.feed_forward = FeedForward(cfg)
 
@@ -142,15 +166,18 @@ class Block(nn.Module):
 class Embeddings(nn.Module):
     """The first stage: token ids (B, L) -> vectors (B, L, dim), plus learned positions if any."""
 
-    def __init__(self, tok_embeddings: nn.Embedding, pos_embeddings: nn.Embedding | None) -> None:
+    def __init__(
+        self, tok_embeddings: nn.Embedding, pos_embeddings: nn.Embedding | None, positions: Positions
+    ) -> None:
         super().__init__()
         self.tok_embeddings = tok_embeddings
         self.pos_embeddings = pos_embeddings
+        self.positions = positions
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(ids)
         if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings(torch.arange(ids.shape[1], device=ids.device))
+            x = x + self.pos_embeddings(self.positions.of(ids.shape[1], ids.device))
         return x
 
 
@@ -173,7 +200,8 @@ class GPT(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         learned = cfg.pos_embedding == "learned"
         self.pos_embeddings = nn.Embedding(cfg.block_size, cfg.dim) if learned else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self._positions = Positions()
+        self.blocks = nn.ModuleList(Block(cfg, self._positions) for _ in range(cfg.n_layer))
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -181,7 +209,8 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # The first and last stages, over modules registered above (a tuple: not registered twice, so
         # the state_dict keeps the names above). forward runs them too: one code path for every split.
-        self._ends = (Embeddings(self.tok_embeddings, self.pos_embeddings), Head(self.norm, self.output))
+        embed = Embeddings(self.tok_embeddings, self.pos_embeddings, self._positions)
+        self._ends = (embed, Head(self.norm, self.output))
 
     def _init_weights(self) -> None:
         """GPT-2's: N(0, init_std) for every matrix and embedding, zero biases, and the two projections
@@ -210,6 +239,17 @@ class GPT(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    @contextlib.contextmanager
+    def sequence_positions(self, positions: torch.Tensor) -> Iterator[None]:
+        """Within: the token ids given to the model (and to any of its stages) are the tokens at
+        `positions` (L,) of each sequence, not 0..L-1: what context parallelism hands each rank. The
+        causal mask is the attention's business (context parallelism's ring orders it)."""
+        before, self._positions.value = self._positions.value, positions
+        try:
+            yield
+        finally:
+            self._positions.value = before
 
     def parallel_plan(
         self, *, tp: int, sequence_parallel: bool, loss_parallel: bool = False

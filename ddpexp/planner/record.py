@@ -6,9 +6,8 @@ for it from the config alone (`ddpexp plan` with the layout given: one row).
 published_record.yaml (beside this module) holds the rows and the last predictions
 (scripts/published_record.py --update writes them); docs/published_record.md is its table;
 tests/test_published_record.py recomputes the predictions and checks the targets on the rows no
-constant was fitted to (held out). Rows the model cannot express yet (Float8, context parallelism,
-interleaved pipeline schedules, async tensor parallelism) carry what is missing instead of a
-prediction.
+constant was fitted to (held out). Rows the model cannot express yet (async tensor parallelism,
+checkpointing every second block) carry what is missing instead of a prediction.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ FITTED: dict[str, list[tuple[str, str]]] = {
     "h100_96gb_500w": [
         ("matmul_efficiency.bf16", "torchtitan-8b-8gpu-fsdp"),
         ("matmul_efficiency.fp8", "torchtitan-8b-8gpu-fsdp-compile-float8"),
+        ("ring_efficiency", "torchtitan-8b-8gpu-fsdp1-cp8"),
     ],
 }
 

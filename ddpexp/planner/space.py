@@ -96,12 +96,21 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def meshes(cluster: Cluster, stages: int, *, loss_parallel: bool = False) -> list[Candidate]:
+# Sequences from this length on are also planned with context parallelism: below it a layer's
+# activations are small beside its parameters, and the ring's exchanges buy nothing.
+LONG_SEQUENCE = 16384
+
+
+def meshes(
+    cluster: Cluster, stages: int, *, loss_parallel: bool = False, seq_len: int = 0
+) -> list[Candidate]:
     """The data-parallel strategies over every device, then nd's meshes: tensor parallelism within a
     node (2, 4, 8 ranks, with sequence parallelism, and loss parallelism where the model's plan has
     it, as torchtitan trains), pipeline stages (2, 4, 8; up to the model's `stages`), FSDP over the
-    rest; HSDP (a replica per node) over several nodes; and pipeline's 1F1B with DDP replicas. Sizes
-    that do not divide the world are left out."""
+    rest; HSDP (a replica per node) over several nodes; pipeline's 1F1B with DDP replicas; and for
+    sequences of LONG_SEQUENCE tokens or more, context parallelism within a node (2, 4, 8 ranks, each
+    holding that share of every sequence; torchtitan's long-context layout) with FSDP over the rest.
+    Sizes that do not divide the world (or, for cp, 2 x cp chunks of the sequence) are left out."""
     world, per_node = cluster.devices, cluster.devices_per_node
     split: dict[str, Any] = {"sequence_parallel": True} | ({"loss_parallel": True} if loss_parallel else {})
     named = " sp lp" if loss_parallel else " sp"
@@ -137,6 +146,11 @@ def meshes(cluster: Cluster, stages: int, *, loss_parallel: bool = False) -> lis
                     f"nd {label}", {"name": "nd", "dp_replicate": cluster.nodes, "dp_shard": -1, **mesh}
                 )
             )
+    if seq_len >= LONG_SEQUENCE:
+        for cp in (2, 4, 8):
+            if cp <= per_node and per_node % cp == 0 and world % cp == 0 and seq_len % (2 * cp) == 0:
+                section = {"name": "nd", "dp_shard": -1, "cp": cp}
+                out.append(Candidate(f"nd fsdp{world // cp} x cp{cp}", section))
     for pp in pps:
         section = {"name": "pipeline", "stages": pp, "replicas": world // pp, "microbatches": 2 * pp}
         out.append(Candidate(f"pipeline {pp} stages x {world // pp} (1f1b)", {**section, "schedule": "1f1b"}))

@@ -43,6 +43,9 @@ class Device:
     # The share of the peak a large GEMM reaches, by what it runs in (bf16, fp32...); {}: no per-op model.
     matmul_efficiency: dict[str, float] = field(default_factory=dict)
     attention_efficiency: tuple[float, float] = (0.0, 0.0)  # forward, backward
+    # The share of that a context-parallel ring's attention keeps: chunked kernels, each merged into
+    # the others' result by log-sum-exp in fp32, the gradients accumulated in fp32.
+    ring_efficiency: float = 1.0
     memory_efficiency: float = 0.9
     launch_us: float = 0.0  # host time per kernel launched
     kernel_us: float = 0.0  # device time every kernel takes besides its work (start-up, tail)
@@ -75,6 +78,8 @@ class Device:
         if op.kind == "attention":
             forward, backward = self.attention_efficiency
             share = backward if "backward" in op.name else forward
+            if op.ring > 1:
+                share *= self.ring_efficiency
             return max(op.flops / (peak * 1e12 * share), memory)
         measured = self.matmul_table.get(kind)
         if measured and op.shape is not None:
@@ -184,6 +189,7 @@ def load_device(spec: Any, *, where: str) -> Device:
         multiprocessors=int(raw.get("multiprocessors") or 0),
         matmul_efficiency={str(k): float(v) for k, v in matmul.items()},
         attention_efficiency=(float(attention.get("forward", 0.0)), float(attention.get("backward", 0.0))),
+        ring_efficiency=float(raw.get("ring_efficiency") or 1.0),
         memory_efficiency=float(raw.get("memory_efficiency") or 0.9),
         launch_us=float(raw.get("launch_us") or 0.0),
         kernel_us=float(raw.get("kernel_us") or 0.0),
@@ -203,6 +209,7 @@ def load_device(spec: Any, *, where: str) -> Device:
         *(("matmul_efficiency", v) for v in device.matmul_efficiency.values()),
         ("memory_efficiency", device.memory_efficiency),
         *(("attention_efficiency", v) for v in device.attention_efficiency),
+        ("ring_efficiency", device.ring_efficiency),
     ):
         if not 0 <= value <= 1:
             raise _bad(where, f"device.{name}", f"is a share of the peak, got {value}: give 0..1")

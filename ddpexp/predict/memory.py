@@ -355,7 +355,16 @@ class _Runner:
         loss and dtype."""
         chain = None if h.chain is None else tuple(_structure(part) for part in h.chain)
         split = None if h.split is None else (h.split_key if h.split_key is not None else id(h.split))
-        return (chain, h.samples, h.loss, split, bool(h.loss_context), h.param_dtype, h.split_backward)
+        return (
+            chain,
+            h.samples,
+            h.loss,
+            split,
+            bool(h.loss_context),
+            h.param_dtype,
+            h.split_backward,
+            h.sequence_split,
+        )
 
     def run(
         self,
@@ -386,7 +395,7 @@ class _Runner:
         parts = (model,) if chain is None else chain
         if not parts or round(h.samples) < 1:
             return Run(0.0, 0.0, Work(()) if self.trace else None)
-        x = self._input(parts[:-1], round(h.samples), h.param_dtype)
+        x = self._input(parts[:-1], round(h.samples), h.param_dtype, h.sequence_split)
         same = (
             _structure(parts[-1]),
             tuple(x.shape),
@@ -423,17 +432,20 @@ class _Runner:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=self.autocast_dtype)
 
-    def _input(self, before: tuple[nn.Module, ...], batch: int, dtype: torch.dtype | None) -> torch.Tensor:
+    def _input(
+        self, before: tuple[nn.Module, ...], batch: int, dtype: torch.dtype | None, split: int = 1
+    ) -> torch.Tensor:
         """What the parts before a rank's own hand it for a micro-batch of `batch` samples (the model's
-        input where there are none), each part run once whichever stage's chain it is in."""
-        info = self.info
+        input where there are none; `split`: 1/split of each sample's sequence), each part run once
+        whichever stage's chain it is in."""
+        shape = _sample_shape(self.info, split)
         with self.mode:
-            if info.vocab_size is not None:
-                x = torch.zeros((batch, *info.input_shape), dtype=torch.long)
+            if self.info.vocab_size is not None:
+                x = torch.zeros((batch, *shape), dtype=torch.long)
             else:
-                x = torch.zeros((batch, *info.input_shape))
+                x = torch.zeros((batch, *shape))
         for i, part in enumerate(before):
-            key = (tuple(map(id, before[: i + 1])), batch, dtype)
+            key = (tuple(map(id, before[: i + 1])), batch, dtype, split)
             if key not in self._inputs:
                 with torch.no_grad(), self._autocast(Held(0, 0, 0, param_dtype=dtype)):
                     self._inputs[key] = _handed_on(part, x)
@@ -450,7 +462,7 @@ class _Runner:
         from .ops import OpTracer
 
         batch = x.shape[0]
-        tracer = OpTracer() if self.trace else None
+        tracer = OpTracer(h.sequence_split) if self.trace else None
 
         def phase(name: str) -> contextlib.AbstractContextManager[Any]:
             return tracer.phase(name) if tracer is not None else contextlib.nullcontext()
@@ -462,7 +474,8 @@ class _Runner:
                 with self._autocast(h), phase("forward"):
                     out = own(x)
                 with phase("forward"):
-                    loss = self.task.loss(out, _targets(self.info, out, batch)) if h.loss else None
+                    targets = _targets(self.info, out, batch, h.sequence_split)
+                    loss = self.task.loss(out, targets) if h.loss else None
                 stored = float(self.meter.held_bytes)
                 with phase("backward"):
                     kept = 0.0
@@ -592,9 +605,15 @@ def _clear_dtensor_caches() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def _targets(info: Any, out: torch.Tensor, batch: int) -> torch.Tensor:
+def _sample_shape(info: Any, split: int) -> tuple[int, ...]:
+    """One sample's shape, of which a rank holds 1/split of the sequence (its first dimension)."""
+    shape = tuple(info.input_shape)
+    return shape if split == 1 else (shape[0] // split, *shape[1:])
+
+
+def _targets(info: Any, out: torch.Tensor, batch: int, split: int = 1) -> torch.Tensor:
     if info.targets == "token":
-        return torch.zeros((batch, *info.input_shape), dtype=torch.long)
+        return torch.zeros((batch, *_sample_shape(info, split)), dtype=torch.long)
     if info.targets == "value":
         return torch.zeros(out.shape)
     return torch.zeros(batch, dtype=torch.long)

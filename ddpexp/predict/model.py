@@ -378,11 +378,17 @@ def predict_curve(
 
 
 def predicted_bytes(
-    run: Any, *, strategy: str | None = None, settings: Sequence[str] = (), offload: bool = False
+    run: Any,
+    *,
+    strategy: str | None = None,
+    settings: Sequence[str] = (),
+    offload: bool = False,
+    kind: str | None = None,
 ) -> float:
     """What comm/bytes_per_step should show for the run's own size (the model's count of what the
     strategy's meter records), for checking the model against a measurement; `offload`: what
-    comm/bytes_per_step/offload should (the copies between host and device memory) instead."""
+    comm/bytes_per_step/offload should (the copies between host and device memory) instead; `kind`:
+    what comm/bytes_per_step/<kind> should, of the collectives declared with that kind."""
     measured = MeasuredRun.of(run)
     target = target_strategy(measured, strategy, settings)
     predictor = Predictor(
@@ -390,4 +396,5 @@ def predicted_bytes(
     )
     facts = measured.facts
     job = predictor.workload(int(facts.get("devices") or 1), int(facts.get("nnodes") or 1))
-    return sum(c.counted for c in target.communication(job=job) if c.host == offload)
+    declared = [c for c in target.communication(job=job) if c.host == offload]
+    return sum(c.counted for c in declared if kind is None or c.kind == kind)

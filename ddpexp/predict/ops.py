@@ -10,7 +10,8 @@ residuals, casts and the loss, the backward's ops and what activation checkpoint
              formulas), and (M, N, K) for the device's efficiency at that shape
   attention  scaled_dot_product_attention's kernels, forward and backward (torch's formulas: the
              backward recomputes the scores, 2.5 times the forward's FLOPs), half of it under a
-             causal mask, which a flash kernel skips
+             causal mask, which a flash kernel skips; under context parallelism a rank's queries
+             meet every rank's keys around the ring: cp times its own part's
   memory     every other op that makes or writes a tensor: bytes read and written, the time the
              device's memory takes to move them
   views and metadata (view, transpose, detach, device queries) move nothing and are left out.
@@ -52,6 +53,7 @@ class Op:
     shape: tuple[int, int, int, int] | None = None
     reads: tuple[tuple[int, int], ...] = ()
     writes: tuple[tuple[int, int], ...] = ()
+    ring: int = 1  # attention: the context-parallel ranks whose keys it meets (1: its own only)
 
 
 @dataclass
@@ -198,11 +200,14 @@ def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: st
 
 
 class OpTracer(TorchDispatchMode):
-    """Records each op dispatched inside (`trace`), in the pass set by `phase()`."""
+    """Records each op dispatched inside (`trace`), in the pass set by `phase()`. `ring`: the ranks a
+    context-parallel ring spreads each sequence over, where the traced run holds one rank's part: its
+    attention meets every rank's keys, `ring` times the part's."""
 
-    def __init__(self) -> None:
+    def __init__(self, ring: int = 1) -> None:
         super().__init__()
         self.trace = Trace()
+        self.ring = ring
         self._phase = "forward"
         # A storage's address can be reused once it is freed: each storage an op makes gets an id of
         # its own, so that a later tensor at the same address is never taken for an earlier one.
@@ -312,5 +317,7 @@ class OpTracer(TorchDispatchMode):
         causal = bool(_argument(func, args, kwargs, "is_causal", False))
         if causal:
             flops /= 2  # a flash kernel skips the masked half of the scores
+        # Ring attention: this part's queries against all the keys, causal half skipped (load-balanced).
+        flops *= self.ring
         element = _local(inputs[0]).element_size()
-        return Op("attention", name, self._phase, flops, moved, element, None, reads, writes)
+        return Op("attention", name, self._phase, flops, moved, element, None, reads, writes, self.ring)

@@ -51,8 +51,18 @@ from ..commbench import Op
 # next stage and their gradients back: counted, not timed, since the schedule sends them
 # asynchronously; the waits for them are in pipe/bubble_frac), and offload (FSDP's copies between host
 # and device memory under strategy.offload: each shard to the device before its all-gather, each reduced
-# gradient shard back: counted, not timed).
-KINDS = ("gradients", "parameters", "sync_bn", "buffers", "tensor_parallel", "activations", "offload")
+# gradient shard back: counted, not timed), and context_parallel (the keys and values context
+# parallelism's ring attention gathers, and their gradients it rotates).
+KINDS = (
+    "gradients",
+    "parameters",
+    "sync_bn",
+    "buffers",
+    "tensor_parallel",
+    "activations",
+    "offload",
+    "context_parallel",
+)
 
 
 class CommMeter:
@@ -294,6 +304,8 @@ class Collective:
     # A copy between the device's memory and its host's (offload), over the device's host link (PCIe)
     # rather than the fabric: op sendrecv, `bytes` what crosses it.
     host: bool = False
+    # The meter's kind it is counted under (KINDS), where a check tells kinds apart; None: not told.
+    kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.op not in COLLECTIVE_OPS:
@@ -374,6 +386,9 @@ class Held:
     # Whether its parameters, gradients and optimizer state live in host memory (FSDP's offload), the
     # device holding only what a step gathers and computes.
     offloaded: bool = False
+    # Ranks each sample's sequence is split over (context parallelism): it runs 1/N of every sample's
+    # tokens.
+    sequence_split: int = 1
 
     @classmethod
     def replica(cls, model: nn.Module, samples: float, **changes: Any) -> Held:

@@ -1,7 +1,7 @@
-"""nd: data, tensor and pipeline parallelism composed on one device mesh.
+"""nd: data, tensor, context and pipeline parallelism composed on one device mesh.
 
-The degrees (strategy.dp_replicate, dp_shard, tp, pp; one of them may be -1, the rest of the world)
-make one `DeviceMesh` (init_device_mesh, dims pp x dp_replicate x dp_shard x tp, see degrees.py),
+The degrees (strategy.dp_replicate, dp_shard, cp, tp, pp; one of them may be -1, the rest of the world)
+make one `DeviceMesh` (init_device_mesh, dims pp x dp_replicate x dp_shard x cp x tp, see degrees.py),
 built once per worker; each parallelism works on its sub-mesh. Applied in torchtitan's order:
 
 1. pipeline split (pp > 1): this rank keeps its stage's part of the model (the pipeline strategy's grouping);
@@ -13,27 +13,30 @@ built once per worker; each parallelism works on its sub-mesh. Applied in torcht
    torchtitan does), called after wrap: compilation happens at a block's first call, so each graph
    is the block as tensor parallelism and checkpointing made it, with FSDP's hooks around it, the
    same thing torchtitan's call between the two yields;
-5. data parallelism (dp_replicate x dp_shard > 1): FSDP2 (fully_shard) over the data-parallel mesh,
-   each of the model's shard units, then the root; with dp_replicate > 1 HSDP, the 2-D mesh:
-   parameters sharded within a group of dp_shard ranks, gradients all-reduced across the groups;
+5. data parallelism (dp_replicate x dp_shard x cp > 1): FSDP2 (fully_shard) over the data-parallel
+   mesh, each of the model's shard units, then the root; with dp_replicate > 1 HSDP, the 2-D mesh:
+   parameters sharded within a group of dp_shard x cp ranks, gradients all-reduced across the groups;
    offload=true keeps the shards, their gradients and the optimizer state in host memory (fsdp's).
+6. context parallelism (cp > 1): each training step and evaluation forward runs with this rank's part
+   of every sequence, attention as a ring (context_parallel.py).
 
 Why one new strategy rather than today's strategies as presets of the degrees: each of those has its
 own code path, measured tables and parity tests, which a rewrite under new degrees would all put at
 risk for no gain to their users; nd is what composes. nd with dp_shard=W alone is fsdp's layout, and
 with tp=1 and pp=1 it runs the same fully_shard calls.
 
-Ranks that differ only in tp (and pp) read the same data shard (`data_layout`): the global batch splits
-over dp_replicate x dp_shard. Evaluation: every rank runs the forward (it is collective), the tp rank 0
-of each data shard scores it, so every eval token counts once.
+Ranks that differ only in tp, cp (and pp) read the same data shard (`data_layout`): the global batch
+splits over dp_replicate x dp_shard. Evaluation: every rank runs the forward (it is collective), the tp
+and cp rank 0 of each data shard scores it, so every eval token counts once.
 
 Checkpoints and model.pt hold the full, unsharded state (fsdp's full-state helpers gather the
 DTensors of any mesh), so a run resumes under single, under another mesh, or under any strategy.
 
 Bytes (`comm/bytes_per_step`): FSDP's all-gathers and reduce-scatters as fsdp counts them (and HSDP's
 all-reduce of each shard's gradient across the groups, counted by its size), and tensor parallelism's
-collectives (kind tensor_parallel: tensor_parallel.CollectiveCounter). `communication` declares both
-for ddpexp-predict, from the same plan on the meta device.
+collectives (kind tensor_parallel: tensor_parallel.CollectiveCounter), and context parallelism's ring
+(kind context_parallel, the same counter). `communication` declares them all for ddpexp-predict, from
+the same plan on the meta device.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ from ..pipeline import (
     stage_held,
 )
 from ..pipeline.stage import Schedule, StageLayout, StageRunner, stages_per_rank
-from . import tensor_parallel
+from . import context_parallel, tensor_parallel
 from .degrees import NAMES, Degrees, resolve
 
 if TYPE_CHECKING:
@@ -107,6 +110,9 @@ class NdConfig(StrategyConfig):
     tp: int = 1
     # Pipeline stages.
     pp: int = 1
+    # Context-parallel ranks: each holds 1/cp of every sequence, attention exchanging keys and values
+    # around them (the sequence must split into 2 x cp chunks).
+    cp: int = 1
     # With tp > 1: activations between blocks (and the norms) split along the sequence over the tp ranks.
     sequence_parallel: bool = False
     # With tp > 1: the head's logits stay split by vocabulary and the cross-entropy reduces over the tp
@@ -138,13 +144,13 @@ class Nd(Strategy[NdConfig]):
     def precisions(self, degrees: Degrees, precision: str) -> Precisions:
         """FSDP's mixed-precision policy over the data-parallel ranks; none without them (tensor and
         pipeline parallelism alone train under the engine's autocast)."""
-        if degrees.dp == 1:
+        if degrees.fsdp == 1:
             return Precisions(None, None)
         return precisions(self.settings.mixed_precision, self.settings.reduce_dtype, precision)
 
     def degrees(self, world: int) -> Degrees:
         s = self.settings
-        given = {"pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "tp": s.tp}
+        given = {"pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp, "tp": s.tp}
         return resolve(given, world)
 
     # ------------------------------------------------------------------------- launch and layout
@@ -153,7 +159,7 @@ class Nd(Strategy[NdConfig]):
         """The product of the degrees; with one of them -1, the most whole multiples of the others'
         product the host's default (its GPUs; 2 on a CPU) holds, at least one."""
         s = self.settings
-        given = (s.pp, s.dp_replicate, s.dp_shard, s.tp)
+        given = (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp)
         if min(given) == 0 or min(given) < -1:
             return 1  # check() names the bad degree
         fixed = math.prod(g for g in given if g != -1)
@@ -177,7 +183,7 @@ class Nd(Strategy[NdConfig]):
             checkpointing = plan.activation_checkpointing
             check_schedule(s.schedule, s.stages_per_rank, checkpointing=checkpointing)
             check_microbatches(plan, s.microbatches, s.schedule, degrees.pp, s.stages_per_rank)
-        if self.settings.offload and degrees.dp == 1:
+        if self.settings.offload and degrees.fsdp == 1:
             raise UserError(
                 f"offload moves FSDP's shards to host memory, and this mesh ({degrees.describe()}) has no "
                 "data-parallel ranks to shard over",
@@ -194,6 +200,9 @@ class Nd(Strategy[NdConfig]):
             check_stages(model, self.settings.pp * per_rank, setting="strategy.pp", per_rank=per_rank)
         if self.settings.tp > 1:  # a model without a plan (or one without loss_parallel) is refused
             self._plan(model, self.settings.tp)
+        config = getattr(model, "config", None)
+        length = getattr(config, "block_size", None)  # the data's, unless set longer (checked again)
+        context_parallel.check(model, cp=self.settings.cp, length=length)
 
     # ------------------------------------------------------------------------- in each worker
 
@@ -204,7 +213,11 @@ class Nd(Strategy[NdConfig]):
         mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=NAMES)
         at = degrees.coordinates(ctx.rank)
         plan = self._plan(model, degrees.tp)
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if degrees.dp_replicate > 1 else mesh["dp_shard"]
+        shard = "dp_shard"
+        if degrees.cp > 1:  # the cp ranks hold the same parameters: FSDP shards over them too
+            shard = "dp_shard_cp"
+            mesh["dp_shard", "cp"]._flatten(shard)
+        dp_mesh = mesh["dp_replicate", shard] if degrees.dp_replicate > 1 else mesh[shard]
         # With stages, FSDP keeps the gathered parameters for all micro-batches (torchtitan's default).
         reshard = self.settings.reshard_after_forward and degrees.pp == 1
         mixed = self.precisions(degrees, ctx.plan.precision)
@@ -220,7 +233,7 @@ class Nd(Strategy[NdConfig]):
                     path: style for path, style in plan.items() if id(model.get_submodule(path)) in inside
                 }
                 tensor_parallel.apply(model, mesh["tp"], mine)
-            if degrees.dp > 1:
+            if degrees.fsdp > 1:
                 from torch.distributed.fsdp import fully_shard
 
                 for unit in units_and_ties(model)[0]:
@@ -237,7 +250,7 @@ class Nd(Strategy[NdConfig]):
                 stages=degrees.pp,
                 ranks=tuple(ctx.rank + (place - at["pp"]) * stride for place in range(degrees.pp)),
                 pipe_group=mesh["pp"].get_group(),
-                owner=at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0,
+                owner=at["dp_replicate"] == at["dp_shard"] == at["cp"] == at["tp"] == 0,
             )
             s = self.settings
             stage = StageRunner(
@@ -256,19 +269,32 @@ class Nd(Strategy[NdConfig]):
             parallelise(model)
             trained = model
         no_sync: Any = contextlib.nullcontext
-        if degrees.dp > 1:
+        if degrees.fsdp > 1:
             roots: list[Any] = [trained] if stage is None else stage.parts
             no_sync = lambda: _no_grad_sync(roots)  # noqa: E731
             if meter is not None:
                 meter = _fsdp_meter(trained if stage is None else stage.part, hsdp=degrees.dp_replicate > 1)
         if stage is not None:
             stage.meter_sends(meter)
+        # Every cp rank's loss is its part's mean (their mean the whole's); one scores evaluation.
         scores = at["tp"] == 0 and (stage is None or stage.is_last)
         loss_parallel = degrees.tp > 1 and self.settings.loss_parallel
+        shards = context_parallel.SequenceShards(mesh["cp"], model) if degrees.cp > 1 else None
+        counter = None
+        if meter is not None and (degrees.tp > 1 or shards is not None):
+            kinds = {str(mesh["cp"].get_group().group_name): context_parallel.KIND} if shards else {}
+            counter = tensor_parallel.CollectiveCounter(meter, kinds)
         runner = _Runner(
-            trained, scores=scores, meter=meter, tp=degrees.tp > 1, stage=stage, loss_parallel=loss_parallel
+            trained,
+            scores=scores,
+            evaluates=scores and at["cp"] == 0,
+            meter=meter,
+            counter=counter,
+            stage=stage,
+            loss_parallel=loss_parallel,
+            shards=shards,
         )
-        own_step = degrees.tp > 1 or stage is not None
+        own_step = degrees.tp > 1 or stage is not None or shards is not None
         return Wrapped(
             module=trained,
             base=model,
@@ -333,8 +359,8 @@ class Nd(Strategy[NdConfig]):
         return FP16_OWN_STEP if degrees.tp > 1 or degrees.pp > 1 else None
 
     def compute_share(self, *, job: Workload) -> float:
-        """Each data shard's work (1/dp of the batch) split over the tp ranks and the pp stages; with
-        stages, in m + pp - 1 micro-batch slots for m micro-batches: the bubble, as pipeline's."""
+        """Each data shard's work (1/dp of the batch) split over the tp and cp ranks and the pp stages;
+        with stages, in m + pp - 1 micro-batch slots for m micro-batches: the bubble, as pipeline's."""
         degrees = self.degrees(job.world)
         s = self.settings
         bubble = (
@@ -342,14 +368,15 @@ class Nd(Strategy[NdConfig]):
             if degrees.pp > 1
             else 1.0
         )
-        return bubble / (degrees.dp * degrees.tp * degrees.pp)
+        return bubble / (degrees.dp * degrees.cp * degrees.tp * degrees.pp)
 
     def held(self, *, job: Workload) -> list[Held]:
         """Each rank its stage's part (pipeline's `stage_held`, with pp > 1), each parameter of it as
         the rank holds it: its chunk on the dimension tensor parallelism splits it on, of that its row
-        chunk over dp_shard (FSDP; HSDP's groups hold the same). Without resharding FSDP keeps the
+        chunk over dp_shard x cp (FSDP; HSDP's groups hold the same). Without resharding FSDP keeps the
         gathered parameters through the step. With tensor parallelism its activations are those of
-        the model split as `wrap` splits it (`split`)."""
+        the model split as `wrap` splits it (`split`); with context parallelism, of 1/cp of each
+        sequence (`sequence_split`)."""
         degrees = self.degrees(job.world)
         plan = self._plan(job.model, degrees.tp)
         dims = tensor_parallel.split_dims(job.model, plan)
@@ -366,12 +393,12 @@ class Nd(Strategy[NdConfig]):
         units = unit_params(job.model)
         split = self._tensor_split(degrees) if degrees.tp > 1 else None
         split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel)
-        held: dict[tuple[int, int, int], Held] = {}  # ranks at the same stage and chunks hold alike
+        held: dict[tuple[int, ...], Held] = {}  # ranks at the same stage and chunks hold alike
         per_stage: dict[int, tuple[list[nn.Parameter], Held, list[list[nn.Parameter]]]] = {}
         out = []
         for rank in range(job.world):
             at = degrees.coordinates(rank)
-            place = (at["pp"], at["tp"], at["dp_shard"])
+            place = (at["pp"], at["tp"], at["dp_shard"], at["cp"])
             if place not in held:
                 if at["pp"] not in per_stage:  # what does not depend on the rank's chunks, once a stage
                     runs = pipe.mine(at["pp"]) if degrees.pp > 1 else [0]
@@ -388,12 +415,15 @@ class Nd(Strategy[NdConfig]):
                     shape = list(p.shape) or [1]
                     if id(p) in dims:
                         shape[dims[id(p)]] = chunk_len(shape[dims[id(p)]], degrees.tp, at["tp"])
-                    mine = shard_of(shape, degrees.dp_shard, at["dp_shard"]) * p.element_size()
+                    mine = (
+                        shard_of(shape, degrees.shard, at["dp_shard"] * degrees.cp + at["cp"])
+                        * p.element_size()
+                    )
                     sharded += mine
                     trained += mine if p.requires_grad else 0
-                offload = self.settings.offload and degrees.dp > 1
+                offload = self.settings.offload and degrees.fsdp > 1
                 in_step, buffers = None, 0
-                if degrees.dp_shard > 1:
+                if degrees.shard > 1:
                     in_step, buffers = gathered_bytes(mine_units, mixed, reshard=reshard, shapes=shapes)
                     buffers += 0 if reshard or offload else sharded
                 how: dict[str, Any] = {
@@ -401,6 +431,7 @@ class Nd(Strategy[NdConfig]):
                     "split_key": split_key,
                     "loss_context": loss_context,
                     "param_dtype": mixed.param,
+                    "sequence_split": degrees.cp,
                 }
                 held[place] = replace(
                     base,
@@ -448,9 +479,10 @@ class Nd(Strategy[NdConfig]):
         the data-parallel ranks, each parameter as a rank holds it after the tensor-parallel split
         (fsdp's count: all-gathers of each unit's shard, again for the backward with
         reshard_after_forward, one reduce-scatter of its gradient; HSDP's all-reduce of the reduced
-        shard across the groups), and with pp > 1 the activations between stages (pipeline's
-        count; every tp rank sends its own copy to its counterpart in the next stage, with sequence
-        parallelism its part of the sequence). With stages, each rank holds and sends for its own
+        shard across the groups), with cp > 1 the ring's keys and values (context_parallel.communication)
+        and with pp > 1 the activations between stages (pipeline's count; every tp rank sends its own
+        copy to its counterpart in the next stage, with sequence parallelism its part of the sequence,
+        with cp its part of each sequence). With stages, each rank holds and sends for its own
         stage only: the per-rank counts are averages over the stages (the meter averages over ranks),
         the parameters stay gathered for all micro-batches, and FSDP reduces after each schedule
         step."""
@@ -459,18 +491,32 @@ class Nd(Strategy[NdConfig]):
         passes = job.accumulate * chunks  # forward and backward passes per optimizer step
         out: list[Collective] = []
         plan = self._plan(job.model, degrees.tp)
+        shape = job.input_shape or ()
+        if degrees.cp > 1 and shape:  # what each rank runs: its part of each sequence
+            shape = (shape[0] // degrees.cp, *shape[1:])
         if degrees.tp > 1:
             out += tensor_parallel.communication(
                 job.model,
                 plan,
                 tp=degrees.tp,
                 micro_batch=job.global_batch // passes // degrees.dp,
-                input_shape=job.input_shape or (),
+                input_shape=shape,
                 input_dtype=job.input_dtype,
                 microbatches=passes,
                 inter_node=job.spans_nodes(degrees.tp),
             )
-        if degrees.dp > 1:
+        if degrees.cp > 1:
+            out += context_parallel.communication(
+                job.model,
+                cp=degrees.cp,
+                tp=degrees.tp,
+                micro_batch=job.global_batch / passes / degrees.dp,
+                length=(job.input_shape or (0,))[0],
+                element_size=4 if job.precision == "fp32" else 2,
+                passes=passes,
+                inter_node=job.spans_nodes(degrees.tp * degrees.cp),
+            )
+        if degrees.fsdp > 1:
             out += self._data_parallel(
                 job, degrees, tensor_parallel.local_shapes(job.model, plan, degrees.tp)
             )
@@ -479,7 +525,7 @@ class Nd(Strategy[NdConfig]):
         out = [replace(c, bytes=c.bytes / pp, calls=c.calls / pp, counted=c.counted / pp) for c in out]
         pipe = self._pipe(pp)
         parts = group(model_stages(job.model), pipe.count)
-        sizes = pipe.crossing(boundary_bytes(parts, job, job.global_batch / passes / degrees.dp))
+        sizes = pipe.crossing(boundary_bytes(parts, job, job.global_batch / passes / degrees.dp / degrees.cp))
         slots = 2 * (chunks * pipe.per_rank + pp - 1) * job.accumulate
         what = "activations and their gradients between stages, per micro-batch slot"
         # Each tp rank sends its counterpart's copy; with sequence parallelism only its part of the sequence.
@@ -494,24 +540,24 @@ class Nd(Strategy[NdConfig]):
     def _data_parallel(
         self, job: Workload, degrees: Degrees, shapes: dict[int, tuple[int, ...]]
     ) -> list[Collective]:
-        """FSDP's traffic over dp_shard (fsdp.sharded_traffic, each parameter as this rank holds it
+        """FSDP's traffic over dp_shard x cp (fsdp.sharded_traffic, each parameter as this rank holds it
         after the tensor-parallel split) and with HSDP each reduced shard's all-reduce across the
         replica groups. Per unit, all-gathers: one per micro-batch of the engine (with stages: per
         schedule step, for all its micro-batches); reduce-scatters: one per step (with stages: per
         schedule step)."""
         staged = degrees.pp > 1
         reduces = job.accumulate if staged else 1
-        # Ranks lie tp innermost, then dp_shard, dp_replicate (degrees.py): a shard group is tp x
-        # dp_shard consecutive ranks, a replica group spans tp x dp_shard x dp_replicate.
-        shard_spans = job.spans_nodes(degrees.tp * degrees.dp_shard)
-        replica_spans = job.spans_nodes(degrees.tp * degrees.dp_shard * degrees.dp_replicate)
+        # Ranks lie tp innermost, then cp, dp_shard, dp_replicate (degrees.py): a shard group is tp x
+        # cp x dp_shard consecutive ranks, a replica group spans tp x cp x dp_shard x dp_replicate.
+        shard_spans = job.spans_nodes(degrees.tp * degrees.shard)
+        replica_spans = job.spans_nodes(degrees.tp * degrees.fsdp)
         gather, reduce = self.precisions(degrees, job.precision).element_sizes()
         units = unit_params(job.model)
-        shards = unit_shards(units, degrees.dp_shard, element_size=gather, shapes=shapes)
-        grads = unit_shards(units, degrees.dp_shard, element_size=reduce, shapes=shapes)
+        shards = unit_shards(units, degrees.shard, element_size=gather, shapes=shapes)
+        grads = unit_shards(units, degrees.shard, element_size=reduce, shapes=shapes)
         out = sharded_traffic(
             shards,
-            degrees.dp_shard,
+            degrees.shard,
             gathers=job.accumulate,
             reduces=reduces,
             again=self.settings.reshard_after_forward and not staged,
@@ -523,7 +569,7 @@ class Nd(Strategy[NdConfig]):
             again = self.settings.reshard_after_forward and not staged
             out += offload_traffic(
                 units,
-                degrees.dp_shard,
+                degrees.shard,
                 gathers=job.accumulate,
                 reduces=reduces,
                 again=again,
@@ -542,7 +588,7 @@ class Nd(Strategy[NdConfig]):
                     Overlap.backward,
                     counted=reduced,
                     inter_node=replica_spans,
-                    per_node=max(1, job.procs_per_node // (degrees.tp * degrees.dp_shard)),
+                    per_node=max(1, job.procs_per_node // (degrees.tp * degrees.shard)),
                 )
             )
         return out
@@ -594,32 +640,46 @@ def _fsdp_meter(model: nn.Module, *, hsdp: bool) -> CommMeter:
 
 class _Runner(nn.Module):
     """The model as the engine drives it under nd: its training step (under the collective counter,
-    with tensor parallelism; a stage's through the pipeline schedule), the gradients' last reduction,
-    and the evaluation forward, scored once per data shard (tp rank 0; of the last stage)."""
+    with tensor or context parallelism; a stage's through the pipeline schedule; with cp on this rank's
+    part of each sequence), the gradients' last reduction, and the evaluation forward, scored once per
+    data shard (tp and cp rank 0; of the last stage)."""
 
     def __init__(
         self,
         trained: nn.Module,
         *,
         scores: bool,
+        evaluates: bool,
         meter: CommMeter | None,
-        tp: bool,
+        counter: tensor_parallel.CollectiveCounter | None,
         stage: StageRunner | None,
         loss_parallel: bool = False,
+        shards: context_parallel.SequenceShards | None = None,
     ) -> None:
         super().__init__()
         self.trained = trained
         self.loss_parallel = loss_parallel
         self.stage = stage
         self.scores = scores
+        self.evaluates = evaluates
         self.meter = meter
-        self.counter = tensor_parallel.CollectiveCounter(meter) if meter is not None and tp else None
+        self.counter = counter
+        self.shards = shards
         self.shapes_known = stage is None
 
     def _counting(self) -> contextlib.AbstractContextManager[Any]:
         return self.counter.counting() if self.counter is not None else contextlib.nullcontext()
 
     def train_step(self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss) -> torch.Tensor | None:
+        if self.shards is None:
+            return self._train_step(inputs, targets, scale, loss)
+        device = next(iter(self.trained.parameters())).device
+        with self.shards.training(inputs.to(device), targets.to(device)) as (part, labels):
+            return self._train_step(part, labels, scale, loss)
+
+    def _train_step(
+        self, inputs: Any, targets: torch.Tensor, scale: float, loss: Loss
+    ) -> torch.Tensor | None:
         if not self.shapes_known:
             self._infer_shapes(inputs, targets, scale, loss)
         with self._counting(), tensor_parallel.loss_context(self.loss_parallel):
@@ -664,8 +724,23 @@ class _Runner(nn.Module):
                     p.grad = grad.redistribute(grad.device_mesh, p.placements)
 
     def forward(self, inputs: Any) -> torch.Tensor | None:
-        outputs: torch.Tensor | None = tensor_parallel.whole(self.trained(inputs))  # split logits: gathered
-        return outputs if self.scores else None
+        if self.shards is not None:
+            device = next(iter(self.trained.parameters())).device
+            outputs = self.shards.evaluate(_Whole(self.trained), inputs.to(device))
+        else:
+            outputs = tensor_parallel.whole(self.trained(inputs))  # split logits: gathered
+        return outputs if self.evaluates else None
+
+
+class _Whole(nn.Module):
+    """A model whose split logits (tensor parallelism's) come out whole."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Any) -> Any:
+        return tensor_parallel.whole(self.model(inputs))
 
 
 def _grad_norm(params: list[nn.Parameter]) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The degrees of one device mesh and where each rank sits in it (pure arithmetic: no process group).
 
 Mesh dimensions, outermost first, as torchtitan's ParallelDims orders them: pp, dp_replicate, dp_shard,
-tp. Ranks that differ only in tp (and pp) work on the same data; consecutive ranks share a tp group, so
-on a node the tensor-parallel traffic, the heaviest, stays between neighbours.
+cp, tp. Ranks that differ only in tp, cp (and pp) work on the same samples (cp ranks on different parts
+of each sequence); consecutive ranks share a tp group, so on a node the tensor-parallel traffic, the
+heaviest, stays between neighbours, and the context-parallel ring next to it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from ...errors import UserError
 
-NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,11 @@ class Degrees:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in NAMES)
 
     @property
     def world(self) -> int:
@@ -34,6 +36,18 @@ class Degrees:
     def dp(self) -> int:
         """Data-parallel ranks: how many shards each global batch splits into."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard(self) -> int:
+        """Ranks each parameter is sharded over (FSDP's shard group): dp_shard, and the cp ranks, which
+        hold the same parameters and average their gradients as data-parallel ranks do (torchtitan's
+        dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks FSDP spans (1: no FSDP): the shard groups, times their replicas."""
+        return self.dp_replicate * self.shard
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Where `rank` sits on each dimension (row-major over NAMES, as init_device_mesh lays ranks)."""
@@ -53,7 +67,7 @@ class Degrees:
 
 
 def resolve(given: dict[str, int], world: int) -> Degrees:
-    """The degrees `given` (strategy.pp, dp_replicate, dp_shard, tp; one of them may be -1, the rest of
+    """The degrees `given` (strategy.pp, dp_replicate, dp_shard, cp, tp; one of them may be -1, the rest of
     the world) for `world` ranks, or a UserError saying which setting to change."""
     for name, value in given.items():
         if value == 0 or value < -1:

@@ -151,11 +151,13 @@ def _payload(first: Any) -> int:
 
 
 class CollectiveCounter:
-    """A TorchDispatchMode (made on first use: see `counter`) over a training step: every functional
-    collective's payload into `meter`, and on the steps it times, launch to wait."""
+    """A TorchDispatchMode over a training step: every functional collective's payload into `meter`,
+    and on the steps it times, launch to wait. Counted as kind tensor_parallel, or as `kinds` names
+    the process group it runs on (context parallelism's ring: kind context_parallel)."""
 
-    def __init__(self, meter: CommMeter) -> None:
+    def __init__(self, meter: CommMeter, kinds: dict[str, str] | None = None) -> None:
         self.meter = meter
+        self.kinds = kinds or {}
         self.mode = _mode_class()(self)
         self.launched: dict[int, float] = {}
 
@@ -177,7 +179,8 @@ class CollectiveCounter:
             if begun is not None and self.meter.timing:
                 self.meter.interval(begun, time.perf_counter())
             return
-        self.meter.count(_payload(args[0]), KIND)
+        group = next((a for a in reversed(args) if isinstance(a, str)), None)
+        self.meter.count(_payload(args[0]), self.kinds.get(group or "", KIND))
         if self.meter.timing:
             for t in out if isinstance(out, list | tuple) else [out]:
                 self.launched[id(t)] = start
