@@ -230,6 +230,7 @@ def test_sync_bn_ddp_trains_like_single_process_batchnorm(preset_sweep: Path, tm
         ("architectures", 8),
         ("gpt_strategies", 11),
         ("frontier", 14),
+        ("long_context", 2),
     ],
 )
 def test_every_preset_expands_into_its_sweep(preset: str, jobs: int):
@@ -655,3 +656,30 @@ def test_frontier_preset_runs_fp8_and_bf16_under_fsdp_offload_and_every_schedule
     assert schedules == {"1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"}
     assert {("fsdp", True, None, "fp8"), ("fsdp", False, None, "bf16")} <= seen
     assert len(seen) == 14
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_long_context_preset_splits_each_sequence_over_a_ring_or_not_at_one_batch():
+    """Composition only: fsdp and nd_cp (cp 2, FSDP over both ranks) on gpt_small at 1,024 tokens a
+    sequence, one global batch of 8 sequences on 2 ranks, both passing pre-flight here."""
+    from ddpexp.plan import HostFacts
+    from ddpexp.preflight import check_job
+
+    def comp(overrides: list[str]):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+    _, expanded, varying = expand(["experiment=long_context"], multirun=True, compose=comp)
+    assert varying == {"strategy"}
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    cps = []
+    for job in expanded:
+        cfg = comp(job)
+        plan = check_job(cfg, host, multirun=True)
+        assert (plan.world_size, plan.global_batch, cfg.model.block_size, cfg.data.block_size) == (
+            2,
+            8,
+            1024,
+            1024,
+        )
+        cps.append(getattr(strategies.resolve(cfg.strategy).settings, "cp", 1))
+    assert cps == [1, 2]

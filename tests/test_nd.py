@@ -67,6 +67,11 @@ MESHES: dict[str, tuple[int, list[str]]] = {
     # Context parallelism: each rank 1/2 of every sequence, attention a ring; composed with FSDP (over
     # dp_shard x cp), tensor parallelism and stages.
     "cp 2": (2, ["strategy.cp=2", "strategy.dp_shard=1"]),
+    # Full checkpointing runs each block's forward again, and the ring gathers again (declared).
+    "cp 2, full checkpointing": (
+        2,
+        ["strategy.cp=2", "strategy.dp_shard=1", "trainer.activation_checkpointing=full"],
+    ),
     "dp_shard 2 x cp 2": (4, ["strategy.dp_shard=2", "strategy.cp=2", *CHECKPOINTED]),
     "cp 2 x tp 2": (4, ["strategy.cp=2", "strategy.tp=2", "strategy.dp_shard=1"]),
     "pp 2 x cp 2": (4, ["strategy.pp=2", "strategy.cp=2", "strategy.dp_shard=1"]),

@@ -259,6 +259,7 @@ def estimate(
         input_shape=(job.seq_len,),
         input_dtype=job.input_dtype,
         precision=job.precision,
+        activation_checkpointing=candidate.settings.ac,
     )
     shards = len(set(strategy.data_layout(world_size=world)))
     timed = [(c, fabric.time_s(c)) for c in communication(strategy, work, cache)]
@@ -358,7 +359,15 @@ def communication(strategy: Any, work: Any, cache: dict[Any, Any] | None) -> lis
     if cache is None:
         return list(strategy.communication(job=work))
     shapes = tuple(tuple(p.shape) for p in work.model.parameters())
-    sizes = (work.world, work.nodes, work.global_batch, work.accumulate, work.input_shape, work.precision)
+    sizes = (
+        work.world,
+        work.nodes,
+        work.global_batch,
+        work.accumulate,
+        work.input_shape,
+        work.precision,
+        work.activation_checkpointing,
+    )
     key = ("communication", strategy.name, repr(strategy.settings), sizes, hash(shapes))
     if key not in cache:
         cache[key] = list(strategy.communication(job=work))

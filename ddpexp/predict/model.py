@@ -253,7 +253,15 @@ class Predictor:
             input_shape=self.shape.input_shape,
             input_dtype=self.shape.input_dtype,
             precision=self.precision,
+            activation_checkpointing=self.activation_checkpointing,
         )
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """The run's trainer.activation_checkpointing (none where its config does not say)."""
+        config = self.run.config
+        value = config.get("trainer", {}).get("activation_checkpointing") if config is not None else None
+        return str(value or "none")
 
     @property
     def precision(self) -> str:

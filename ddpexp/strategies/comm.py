@@ -327,6 +327,9 @@ class Workload:
     input_shape: tuple[int, ...] | None = None  # one sample (DataInfo.input_shape)
     input_dtype: torch.dtype = torch.float32  # token ids: torch.long
     precision: str = "fp32"  # trainer.precision: fp32, bf16, fp16
+    # trainer.activation_checkpointing: under full, each block's forward runs again in its backward,
+    # and sends again what its forward sends (context parallelism's gathers).
+    activation_checkpointing: str = "none"
 
     @property
     def procs_per_node(self) -> int:

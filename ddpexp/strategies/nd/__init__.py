@@ -514,6 +514,7 @@ class Nd(Strategy[NdConfig]):
                 length=(job.input_shape or (0,))[0],
                 element_size=4 if job.precision == "fp32" else 2,
                 passes=passes,
+                recomputed=job.activation_checkpointing == "full",
                 inter_node=job.spans_nodes(degrees.tp * degrees.cp),
             )
         if degrees.fsdp > 1:

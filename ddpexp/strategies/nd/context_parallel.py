@@ -190,19 +190,20 @@ def communication(
     length: int,
     element_size: int,
     passes: int,
+    recomputed: bool,
     inter_node: bool,
 ) -> list[Collective]:
     """The ring's traffic per optimizer step of `passes` forward and backward passes of `micro_batch`
     samples of `length` tokens (module docstring): keys and values of each attention layer, their
-    heads split over `tp` ranks, in `element_size` bytes. A forward that activation checkpointing
-    runs again gathers again, which this does not count (nor tensor parallelism's count its
-    collectives)."""
+    heads split over `tp` ranks, in `element_size` bytes; `recomputed`: every layer's forward runs
+    again in the backward (full activation checkpointing) and gathers again. The selective modes keep
+    attention's output, so its forward is not run again."""
     layers = [m for m in model.modules() if _is_attention(m)]
     if cp == 1 or not layers:
         return []
     kv = sum(2 * _out_features(m.wk) for m in layers) / tp  # keys and values, each rank's heads
     local = micro_batch * length / cp * kv  # elements of K and V each rank holds, all layers
-    gathers = 2 * passes  # per layer: forward and backward
+    gathers = (3 if recomputed else 2) * passes  # per layer: forward, (its recomputation,) backward
     gathered = local * element_size * gathers
     rotated = local * 4 * passes * cp  # the gradients, in fp32: cp rotations a backward
     return [
