@@ -59,6 +59,14 @@ class Precision(Enum):
             return cls[value]
         return cls(value)
 
+    @property
+    def autocast_dtype(self) -> Any:
+        """The torch dtype the engine autocasts to (None: no autocast); fp8's is around the float8
+        layers' products (ddpexp/float8.py)."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(self.name)
+
 
 class Fp8Recipe(StrEnum):
     tensorwise = "tensorwise"

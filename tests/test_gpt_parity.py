@@ -242,13 +242,14 @@ def test_fp8_training_lands_within_its_stated_bound_of_bf16(gpt_runs: dict[str, 
     world = 1 if name.startswith("single") else 2
     ours, theirs = assert_same_job(gpt_runs[name], gpt_runs["single bf16"], world)
     assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-2, abs=0)
-    # fp8 changes the products, not what the strategy sends: as declared. Not yet under tensor
-    # parallelism, whose declared traffic takes the activations as fp32 where autocast (bf16 or fp8)
-    # sends most of them in bf16 (3.42 MB a step measured here against 4.21 declared).
-    if world > 1 and "tp" not in name:
+    # fp8 changes the products, not what the strategy sends: as declared. Under tensor parallelism
+    # the float8 scales of split tensors are all-reduced too, a float each (384 bytes a step here, of
+    # 3.4 MB), which the declaration leaves out.
+    if world > 1:
         from ddpexp.predict import predicted_bytes
 
-        assert predicted_bytes(gpt_runs[name]) == pytest.approx(ours["comm/bytes_per_step"], rel=1e-9)
+        close = 2e-4 if "tp" in name else 1e-9
+        assert predicted_bytes(gpt_runs[name]) == pytest.approx(ours["comm/bytes_per_step"], rel=close)
 
 
 def test_the_measure_catches_a_gradient_off_by_a_tenth_of_a_percent(gpt_runs: dict[str, Path]):

@@ -153,6 +153,33 @@ def test_each_rank_holds_its_part_of_the_parameters_gradients_and_optimizer_stat
     assert sum(r["mem/params_mb"] for r in ranks) == pytest.approx(replicas * whole, rel=0.02), name
 
 
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["strategy.tp=2", "strategy.dp_shard=1"],
+        ["strategy.tp=2", "strategy.dp_shard=1", "strategy.sequence_parallel=true"],
+        ["strategy.tp=2", "strategy.dp_shard=2", "strategy.sequence_parallel=true"],
+        ["strategy.tp=2", "strategy.cp=2", "strategy.dp_shard=1", "strategy.loss_parallel=true"],
+    ],
+    ids=["tp 2", "tp 2 sp", "dp_shard 2 x tp 2 sp", "cp 2 x tp 2 lp"],
+)
+def test_bf16_training_sends_what_its_declaration_says_in_bf16(tmp_path: Path, mesh: list[str]):
+    """Under trainer.precision=bf16 tensor parallelism sends in the dtypes the step computes in:
+    autocast's (tp alone: the linear layers' outputs bf16, the embeddings', norms' and residual
+    stream's fp32) or, with FSDP over the data-parallel ranks, its mixed-precision policy's (every
+    activation bf16, the sequence-parallel norms' weight gradients too). The declaration runs its
+    meta forward the same way: the same bytes, by kind."""
+    from ddpexp.predict import predicted_bytes
+
+    args = [*GPT, "trainer.max_steps=2", "trainer.precision=bf16", "strategy=nd", *mesh]
+    result = run_here(tmp_path, *args, "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    final = metrics(tmp_path / "run")["final"]
+    tag = "comm/bytes_per_step/tensor_parallel"
+    assert predicted_bytes(tmp_path / "run", kind="tensor_parallel") == final[tag] > 0
+    assert predicted_bytes(tmp_path / "run") == pytest.approx(final["comm/bytes_per_step"], rel=1e-12)
+
+
 def test_sequence_parallelism_moves_other_collectives_than_plain_tensor_parallelism(nd_runs: dict[str, Path]):
     """The same parameters, but its reduce-scatters and all-gathers are not plain tp's all-reduces:
     the byte counts differ (and each matches its own declaration, above)."""

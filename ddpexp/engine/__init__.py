@@ -41,12 +41,7 @@ class TrainingDiverged(RuntimeError):
 
 
 FOLD_EVERY = 64  # losses kept before folding them into the sums (bounds the list on long log intervals)
-AUTOCAST = {
-    Precision.fp32: None,
-    Precision.bf16: torch.bfloat16,
-    Precision.fp16: torch.float16,
-    Precision.fp8: torch.bfloat16,  # around the float8 layers' products (ddpexp/float8.py)
-}
+AUTOCAST = {p: p.autocast_dtype for p in Precision}
 
 
 class Engine:

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ... import activation_checkpointing
-from ...config import StrategyConfig
+from ...config import Precision, StrategyConfig
 from ...errors import UserError
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
@@ -491,6 +491,7 @@ class Nd(Strategy[NdConfig]):
         passes = job.accumulate * chunks  # forward and backward passes per optimizer step
         out: list[Collective] = []
         plan = self._plan(job.model, degrees.tp)
+        mixed = self.precisions(degrees, job.precision)
         shape = job.input_shape or ()
         if degrees.cp > 1 and shape:  # what each rank runs: its part of each sequence
             shape = (shape[0] // degrees.cp, *shape[1:])
@@ -504,6 +505,10 @@ class Nd(Strategy[NdConfig]):
                 input_dtype=job.input_dtype,
                 microbatches=passes,
                 inter_node=job.spans_nodes(degrees.tp),
+                param_dtype=mixed.param,
+                autocast_dtype=None
+                if mixed.param is not None
+                else Precision.of(job.precision).autocast_dtype,
             )
         if degrees.cp > 1:
             out += context_parallel.communication(

@@ -226,16 +226,21 @@ def communication(
     input_dtype: torch.dtype,
     microbatches: int,
     inter_node: bool,
+    param_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[Collective]:
     """What the plan sends per optimizer step of `microbatches` forward/backward passes of
-    `micro_batch` samples each, over `tp` ranks (see the module docstring); `model` on meta."""
-    shapes = _module_shapes(model, plan, micro_batch, input_shape, input_dtype)
+    `micro_batch` samples each, over `tp` ranks (see the module docstring); `model` on meta.
+    `param_dtype`: the dtype FSDP's mixed-precision policy computes in (every parameter cast to it,
+    so every activation is in it); `autocast_dtype`: the engine's autocast's (the linear layers'
+    products in it); None: as stored."""
+    shapes = _module_shapes(model, plan, micro_batch, input_shape, input_dtype, param_dtype, autocast_dtype)
     totals: dict[tuple[str, str, Overlap], list[float]] = {}
     for path, style in plan.items():
         inputs, output, shape = shapes[path]
         given = _arrives_as_dtensor(plan, path)
         module = model.get_submodule(path)
-        traffic = _style_traffic(style, inputs, output, module, given)
+        traffic = _style_traffic(style, inputs, output, module, given, param_dtype)
         if _keeps_output_split(style):
             traffic += _loss_parallel_traffic(math.prod(shape[:-1]))
         for t in traffic:
@@ -246,33 +251,65 @@ def communication(
             entry[1] += counted * times
             entry[2] += times
     return [
-        Collective(what, op, b, tp, calls, overlaps, counted=c, inter_node=inter_node)
+        Collective(what, op, b, tp, calls, overlaps, counted=c, inter_node=inter_node, kind=KIND)
         for (what, op, overlaps), (b, c, calls) in totals.items()
     ]
 
 
 def _module_shapes(
-    model: nn.Module, plan: dict[str, Any], batch: int, input_shape: tuple[int, ...], dtype: torch.dtype
+    model: nn.Module,
+    plan: dict[str, Any],
+    batch: int,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    param_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, tuple[list[int], int, tuple[int, ...]]]:
-    """For each planned module: the byte sizes of its tensor inputs and of its output, and the
-    output's shape, in one forward of `batch` samples on the meta device."""
+    """For each planned module: the byte sizes of its tensor inputs (as they arrive) and of its
+    output, and the output's shape, in one forward of `batch` samples on the meta device. Its
+    parameters cast to `param_dtype` (FSDP's mixed precision), or each linear layer computing in
+    `autocast_dtype` (autocast's rule for matrix products: inputs and weights cast, the output in
+    it; every other op as its inputs are), where given."""
     seen: dict[str, tuple[list[int], int, tuple[int, ...]]] = {}
+    arrived: dict[str, list[int]] = {}
     handles = []
     for path in plan:
 
-        def hook(module: nn.Module, args: Any, out: Any, path: str = path) -> None:
-            sizes = [_payload(a) for a in args if isinstance(a, torch.Tensor)]
-            first = out[0] if isinstance(out, tuple | list) else out
-            seen.setdefault(path, (sizes, _payload(out), tuple(first.shape)))
+        def before(module: nn.Module, args: Any, path: str = path) -> None:
+            arrived.setdefault(path, [_payload(a) for a in args if isinstance(a, torch.Tensor)])
 
-        handles.append(model.get_submodule(path).register_forward_hook(hook))
+        def hook(module: nn.Module, args: Any, out: Any, path: str = path) -> None:
+            first = out[0] if isinstance(out, tuple | list) else out
+            seen.setdefault(path, (arrived[path], _payload(out), tuple(first.shape)))
+
+        module = model.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(before, prepend=True))
+        handles.append(module.register_forward_hook(hook))
+    cast: dict[str, torch.Tensor] = {}
+    if param_dtype is not None:
+        cast = {n: p.to(param_dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+    elif autocast_dtype is not None:
+
+        def lower(module: nn.Module, args: Any) -> Any:
+            return tuple(a.to(autocast_dtype) if _floating(a) else a for a in args)
+
+        for prefix, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                handles.append(module.register_forward_pre_hook(lower))
+                for name, p in module.named_parameters(prefix=prefix):
+                    cast[name] = p.to(autocast_dtype)
     try:
+        x = torch.zeros((batch, *input_shape), dtype=dtype, device="meta")
         with torch.no_grad():
-            model(torch.zeros((batch, *input_shape), dtype=dtype, device="meta"))
+            torch.func.functional_call(model, cast, (x,), tie_weights=False)
     finally:
         for h in handles:
             h.remove()
     return seen
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def local_shapes(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[int, tuple[int, ...]]:
@@ -324,10 +361,15 @@ def _arrives_as_dtensor(plan: dict[str, Any], path: str) -> bool:
 
 
 def _style_traffic(
-    style: Any, inputs: list[int], output: int, module: nn.Module, arrives_as_dtensor: bool
+    style: Any,
+    inputs: list[int],
+    output: int,
+    module: nn.Module,
+    arrives_as_dtensor: bool,
+    param_dtype: torch.dtype | None = None,
 ) -> list[_Traffic]:
     """The collectives of one ParallelStyle on a module whose tensor inputs and output are these sizes
-    (whole, unsplit tensors)."""
+    (whole, unsplit tensors); its parameters' gradients in `param_dtype` where given."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -361,7 +403,10 @@ def _style_traffic(
                 _Traffic("output gradient all-gather (sequence parallel)", "all_gather", output),
             ]
     if isinstance(style, SequenceParallel):
-        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        params = sum(
+            p.numel() * (p.element_size() if param_dtype is None else param_dtype.itemsize)
+            for p in module.parameters()
+        )
         if params:  # the norms' weights are replicated: their gradients summed once, after the last pass
             what = "sequence-parallel norms' weight gradient all-reduce, once per step"
             out.append(_Traffic(what, "all_reduce", params, once=True))
