@@ -289,6 +289,19 @@ def test_long_sequences_are_planned_with_context_parallelism_within_a_node():
     assert [label for label in odd if "cp" in label] == ["nd fsdp8 x cp2"]
 
 
+def test_pipelines_are_also_planned_interleaved_where_the_model_has_the_stages():
+    """Each nd mesh with stages is also tried with the interleaved 1F1B schedule (two stages a rank, a
+    smaller bubble, torchtitan's 405B choice) where the model splits into twice as many stages."""
+    from ddpexp.planner.space import meshes
+
+    cluster = load_cluster("8xh100_sxm")
+    found = {c.label: c.section for c in meshes(cluster, 6)}  # 6 stages: pp 2 loops, pp 4 cannot
+    assert found["nd pp2 x fsdp4 interleaved"]["schedule"] == "interleaved_1f1b"
+    assert found["nd pp2 x fsdp4"]["schedule"] == "1f1b"
+    assert "nd pp2 x fsdp2 x tp2 sp interleaved" in found
+    assert "nd pp4 x fsdp2" in found and "nd pp4 x fsdp2 interleaved" not in found
+
+
 def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
     """Llama 3.1 8B at 131,072 tokens on 8 H100s, a global batch of 8 sequences: under FSDP a rank
     holds all of its sequence's activations and logits and does not fit; split over two rings of

@@ -106,8 +106,9 @@ def meshes(
 ) -> list[Candidate]:
     """The data-parallel strategies over every device, then nd's meshes: tensor parallelism within a
     node (2, 4, 8 ranks, with sequence parallelism, and loss parallelism where the model's plan has
-    it, as torchtitan trains), pipeline stages (2, 4, 8; up to the model's `stages`), FSDP over the
-    rest; HSDP (a replica per node) over several nodes; pipeline's 1F1B with DDP replicas; and for
+    it, as torchtitan trains), pipeline stages (2, 4, 8; up to the model's `stages`; 1F1B, and the
+    interleaved 1F1B with two stages a rank where the model has twice as many), FSDP over the rest;
+    HSDP (a replica per node) over several nodes; pipeline's 1F1B with DDP replicas; and for
     sequences of LONG_SEQUENCE tokens or more, context parallelism within a node (2, 4, 8 ranks, each
     holding that share of every sequence; torchtitan's long-context layout) with FSDP over the rest.
     Sizes that do not divide the world (or, for cp, 2 x cp chunks of the sequence) are left out."""
@@ -136,6 +137,9 @@ def meshes(
                 ]
             )
             out.append(Candidate(f"nd {label}", {"name": "nd", "dp_shard": -1, **mesh}))
+            if pp > 1 and stages >= 2 * pp:  # two stages a rank in a loop: a smaller bubble
+                looped = {**mesh, "schedule": "interleaved_1f1b"}
+                out.append(Candidate(f"nd {label} interleaved", {"name": "nd", "dp_shard": -1, **looped}))
     if cluster.nodes > 1:
         for tp in [1, *tps]:
             shard = world // cluster.nodes // tp

@@ -602,6 +602,7 @@ def _clear_dtensor_caches() -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy of the same
     clear_redistribute_planner_cache()
     _gen_transform_infos.cache_clear()
 

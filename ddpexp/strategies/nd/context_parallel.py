@@ -17,8 +17,10 @@ whole sequences.
 
 Traffic (kind context_parallel), per attention call, from each rank's keys and values K (B x kv heads
 x L/cp x head_dim, in the compute dtype): forward, one all-gather of K and V (torch's default rotation);
-backward, one all-gather of them again and cp all-to-all rotations of their gradients, accumulated in
-fp32. Metered by tensor_parallel.CollectiveCounter, which tells this traffic by the cp group it runs on.
+backward, one all-gather of them again (and once more in a forward that full activation checkpointing
+runs again) and cp rotations of their gradients, accumulated in fp32 (each an all-to-all that hands
+the whole buffer to the next rank: a send and a receive). Metered by tensor_parallel.CollectiveCounter,
+which tells this traffic by the cp group it runs on.
 """
 
 from __future__ import annotations
