@@ -35,6 +35,7 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
         "tensor_parallel": 0,
         "activations": 0,
         "offload": 0,
+        "context_parallel": 0,
     }
     assert meter.take() == (0.0, dict.fromkeys(nbytes, 0))
 
@@ -43,7 +44,16 @@ def test_a_meter_no_engine_steps_times_everything():
     meter = CommMeter()
     meter.record(0.0, 2.0, 4)
     meter.record(1.0, 3.0, 4)
-    zero = {"parameters": 0, "sync_bn": 0, "buffers": 0, "tensor_parallel": 0, "activations": 0, "offload": 0}
+    kinds = (
+        "parameters",
+        "sync_bn",
+        "buffers",
+        "tensor_parallel",
+        "activations",
+        "offload",
+        "context_parallel",
+    )
+    zero = dict.fromkeys(kinds, 0)
     assert meter.take() == (3.0, {"gradients": 8, **zero})
 
 
@@ -65,6 +75,7 @@ def test_a_paused_meter_counts_and_times_nothing():
             "tensor_parallel": 0,
             "activations": 0,
             "offload": 0,
+            "context_parallel": 0,
         },
     )
 

@@ -475,8 +475,9 @@ class _Runner:
                 with self._autocast(h), phase("forward"):
                     out = own(x)
                 with phase("forward"):
-                    targets = _targets(self.info, out, batch, h.sequence_split)
-                    loss = self.task.loss(out, targets) if h.loss else None
+                    # The targets made here are freed with the call, as they were measured to be.
+                    split = h.sequence_split
+                    loss = self.task.loss(out, _targets(self.info, out, batch, split)) if h.loss else None
                 stored = float(self.meter.held_bytes)
                 with phase("backward"):
                     kept = 0.0
