@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..memory import ActivationMeter, LiveBytes
-from ..strategies.comm import Held
+from ..strategies.comm import Held, sequence_part
 from .ops import Work
 
 MB = 2**20
@@ -439,7 +439,7 @@ class _Runner:
         """What the parts before a rank's own hand it for a micro-batch of `batch` samples (the model's
         input where there are none; `split`: 1/split of each sample's sequence), each part run once
         whichever stage's chain it is in."""
-        shape = _sample_shape(self.info, split)
+        shape = sequence_part(tuple(self.info.input_shape), split)
         with self.mode:
             if self.info.vocab_size is not None:
                 x = torch.zeros((batch, *shape), dtype=torch.long)
@@ -608,15 +608,9 @@ def _clear_dtensor_caches() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def _sample_shape(info: Any, split: int) -> tuple[int, ...]:
-    """One sample's shape, of which a rank holds 1/split of the sequence (its first dimension)."""
-    shape = tuple(info.input_shape)
-    return shape if split == 1 else (shape[0] // split, *shape[1:])
-
-
 def _targets(info: Any, out: torch.Tensor, batch: int, split: int = 1) -> torch.Tensor:
     if info.targets == "token":
-        return torch.zeros((batch, *_sample_shape(info, split)), dtype=torch.long)
+        return torch.zeros((batch, *sequence_part(tuple(info.input_shape), split)), dtype=torch.long)
     if info.targets == "value":
         return torch.zeros(out.shape)
     return torch.zeros(batch, dtype=torch.long)

@@ -256,20 +256,22 @@ class Predictor:
             activation_checkpointing=self.activation_checkpointing,
         )
 
+    def _trainer(self, name: str) -> Any:
+        """The run's trainer.<name> (None where its config does not say)."""
+        config = self.run.config
+        return config.get("trainer", {}).get(name) if config is not None else None
+
     @property
     def activation_checkpointing(self) -> str:
         """The run's trainer.activation_checkpointing (none where its config does not say)."""
-        config = self.run.config
-        value = config.get("trainer", {}).get("activation_checkpointing") if config is not None else None
-        return str(value or "none")
+        return str(self._trainer("activation_checkpointing") or "none")
 
     @property
     def precision(self) -> str:
         """The run's trainer.precision (fp32 where its config does not say)."""
         from ..config import Precision
 
-        config = self.run.config
-        value = config.get("trainer", {}).get("precision") if config is not None else None
+        value = self._trainer("precision")
         return Precision.of(value).name if value is not None else "fp32"
 
     def _read_compute(self) -> None:

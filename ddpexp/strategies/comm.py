@@ -401,6 +401,12 @@ class Held:
         return cls(**{**base, "samples": samples, **changes})
 
 
+def sequence_part(shape: tuple[int, ...], split: int) -> tuple[int, ...]:
+    """One sample's shape (sequence first) as a rank holds it when its sequence is split over `split`
+    ranks (Held.sequence_split)."""
+    return shape if split == 1 or not shape else (shape[0] // split, *shape[1:])
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of `tensors` together."""
     return sum(t.numel() * t.element_size() for t in tensors)

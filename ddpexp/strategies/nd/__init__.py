@@ -57,7 +57,7 @@ from ...config import Precision, StrategyConfig
 from ...errors import UserError
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
-from ..comm import Collective, CommMeter, Held, Overlap, Workload
+from ..comm import Collective, CommMeter, Held, Overlap, Workload, sequence_part
 from ..ddp_mp import boundary_bytes, group, model_stages
 from ..fsdp import (
     MixedPrecision,
@@ -492,9 +492,10 @@ class Nd(Strategy[NdConfig]):
         out: list[Collective] = []
         plan = self._plan(job.model, degrees.tp)
         mixed = self.precisions(degrees, job.precision)
-        shape = job.input_shape or ()
-        if degrees.cp > 1 and shape:  # what each rank runs: its part of each sequence
-            shape = (shape[0] // degrees.cp, *shape[1:])
+        # The step computes in FSDP's parameter dtype, else under autocast's, else as stored.
+        autocast = None if mixed.param is not None else Precision.of(job.precision).autocast_dtype
+        computed = mixed.param or autocast or torch.float32
+        shape = sequence_part(job.input_shape or (), degrees.cp)  # what each rank runs
         if degrees.tp > 1:
             out += tensor_parallel.communication(
                 job.model,
@@ -506,9 +507,7 @@ class Nd(Strategy[NdConfig]):
                 microbatches=passes,
                 inter_node=job.spans_nodes(degrees.tp),
                 param_dtype=mixed.param,
-                autocast_dtype=None
-                if mixed.param is not None
-                else Precision.of(job.precision).autocast_dtype,
+                autocast_dtype=autocast,
             )
         if degrees.cp > 1:
             out += context_parallel.communication(
@@ -517,7 +516,7 @@ class Nd(Strategy[NdConfig]):
                 tp=degrees.tp,
                 micro_batch=job.global_batch / passes / degrees.dp,
                 length=(job.input_shape or (0,))[0],
-                element_size=4 if job.precision == "fp32" else 2,
+                element_size=computed.itemsize,
                 passes=passes,
                 recomputed=job.activation_checkpointing == "full",
                 inter_node=job.spans_nodes(degrees.tp * degrees.cp),
