@@ -168,7 +168,11 @@ def _name(p: psutil.Process) -> str:
 
 
 def last_checkpoint_step(run_dir: Path) -> int:
-    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["step"]
+    """The step trainer.resume=auto continues from: a kill between writing a step file and pointing
+    last.pt at it leaves last.pt one checkpoint behind."""
+    found = checkpoint.newest_valid(run_dir)
+    assert found is not None, f"no valid checkpoint in {run_dir}"
+    return found[1]["step"]
 
 
 def pid_of_rank(run: Watched, rank: int, timeout: float = 30) -> int:
