@@ -218,6 +218,9 @@ class TrainerConfig:
     # With precision=fp8, how each tensor cast to float8 is scaled: tensorwise (one scale per tensor,
     # torchtitan's default) or rowwise (one per row: more accurate, slower).
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    # With precision=fp8 (tensorwise) under FSDP (fsdp, nd's dp_shard): all-gather the float8 layers'
+    # weights in float8, cast before the gather, instead of in bf16 (half the bytes of those weights).
+    fp8_all_gather: bool = False
     # Micro-batches per optimizer step. Global batch = per-rank micro-batch x accumulate x world size.
     accumulate: int = 1
     # Clip the (synchronised) gradient to this total L2 norm (None: no clipping).

@@ -32,6 +32,8 @@ from torch import nn
 from . import models
 from .errors import UserError
 
+log = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def _quiet_import() -> Iterator[None]:
@@ -60,6 +62,12 @@ def eligible(model: nn.Module) -> list[str]:
     ]
 
 
+def weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights of the layers fp8 converts (`eligible`), on a converted model or not."""
+    names = set(eligible(model))
+    return [m.weight for name, m in model.named_modules() if name in names]
+
+
 def check(model: nn.Module) -> None:
     """One line with the fix when fp8 would convert nothing."""
     if eligible(model):
@@ -80,10 +88,13 @@ def check(model: nn.Module) -> None:
     )
 
 
-def convert(model: nn.Module, *, recipe: str = "tensorwise", device: Any = None) -> int:
+def convert(
+    model: nn.Module, *, recipe: str = "tensorwise", all_gather: bool = False, device: Any = None
+) -> int:
     """Swap the eligible linear layers for torchao's Float8Linear in place; returns how many. `device`:
     where the run computes (refused where float8 products cannot run; on a CPU they are emulated);
-    None: a prediction's fake model, traced with the products a GPU runs."""
+    None: a prediction's fake model, traced with the products a GPU runs. `all_gather`: FSDP gathers
+    their weights in float8 (tensorwise only)."""
     import torch
 
     _check_device(device)
@@ -91,11 +102,29 @@ def convert(model: nn.Module, *, recipe: str = "tensorwise", device: Any = None)
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     names = set(eligible(model))
-    config = Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
+    else:
+        config = Float8LinearConfig.from_recipe_name(recipe)
     if device is not None and torch.device(device).type != "cuda":
         config = dataclasses.replace(config, emulate=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn in names)
+    if all_gather:
+        for name, module in model.named_modules():
+            if name in names:
+                module.register_state_dict_post_hook(_plain_weight)
     return len(names)
+
+
+def _plain_weight(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
+    """A weight torchao wrapped for FSDP's float8 gather is saved as the tensor it wraps: a Linear's
+    state, loadable at any precision (and by torch.load's weights_only) where no FSDP gathered it."""
+    with _quiet_import():
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    weight = state.get(prefix + "weight")
+    if isinstance(weight, WeightWithDynamicFloat8CastTensor):
+        state[prefix + "weight"] = weight._tensor
 
 
 def _check_device(device: Any) -> None:
@@ -112,6 +141,57 @@ def _check_device(device: Any) -> None:
             setting="trainer.precision",
             fix="use trainer.precision=bf16 on this GPU (fp8 runs on H100, H200, L40S, B200...)",
         )
+
+
+def gathered_weights(model: nn.Module) -> list[Any]:
+    """The float8 layers' weights FSDP gathers in float8 (trainer.fp8_all_gather): DTensors whose local
+    shard is torchao's float8-casting weight, in a module FSDP manages."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    with _quiet_import():
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return []
+    return [
+        m.weight
+        for m in model.modules()
+        if is_float8(m)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+    ]
+
+
+def keep_weight_scales(model: nn.Module, optimizer: Any, meter: Any = None) -> int:
+    """Under trainer.fp8_all_gather: after every optimizer step, the scales of all the weights FSDP
+    gathers in float8 from one all-reduce of their absolute maxima (torchao's
+    precompute_float8_dynamic_scale_for_fsdp, as torchtitan runs it), rather than an all-reduce of one
+    float for each weight at each of its gathers. Counted into `meter` (kind parameters): the maxima,
+    one float a weight, all-reduced over each mesh dimension the weights are sharded on. Returns how
+    many weights; 0 (a line in the log) where FSDP gathers none, as under ddp or tensor parallelism
+    alone: the setting then changes nothing."""
+    import time
+
+    weights = gathered_weights(model)
+    if not weights:
+        log.info("trainer.fp8_all_gather: FSDP gathers no float8 weight in this run; nothing changes")
+        return 0
+    with _quiet_import():
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    # One all-reduce for each mesh dimension the weights are split on (FSDP's, tensor parallelism's).
+    dims = sum(not p.is_replicate() for p in weights[0].placements)
+    nbytes = len(weights) * 4 * dims
+
+    def after_step(*_: Any) -> None:
+        start = time.perf_counter()
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        if meter is not None:
+            meter.record(start, time.perf_counter(), nbytes, "parameters")
+
+    optimizer.register_step_post_hook(after_step)
+    return len(weights)
 
 
 def is_float8(module: Any) -> bool:

@@ -37,7 +37,8 @@ Frequent settings (full list: python -m ddpexp --cfg job):
   dist.nnodes=N dist.node_rank=R dist.master_addr=NODE0 dist.master_port=P (one command per machine)
   hydra/launcher=slurm (with -m: one Slurm job per sweep job)
   loader.mode=auto|device|dataloader
-  trainer.precision=32|bf16|fp16|fp8 (fp8: the blocks' linear layers in float8; trainer.fp8_recipe=rowwise)
+  trainer.precision=32|bf16|fp16|fp8 (fp8: the blocks' linear layers in float8; trainer.fp8_recipe=rowwise;
+    trainer.fp8_all_gather=true: FSDP gathers their weights in float8)
   trainer.accumulate=K  trainer.clip_grad_norm=X  trainer.compile=true
   optim.schedule=constant|step|cosine  optim.warmup_steps=N  optim.scale_rule=none|linear|sqrt
   checkpoint.every_epochs=1  checkpoint.every_steps=N  trainer.resume=auto|PATH  trainer.mode=train|eval

@@ -53,7 +53,9 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     peak = flops.peak_flops(trainer.peak_flops, ctx.device, settings.precision)
     settings = with_throughput(settings, splits, model, peak[0])
     if settings.precision == Precision.fp8:
-        float8.convert(model, recipe=str(trainer.fp8_recipe), device=ctx.device)
+        float8.convert(
+            model, recipe=str(trainer.fp8_recipe), all_gather=trainer.fp8_all_gather, device=ctx.device
+        )
     activations = memory.ActivationMeter()  # the engine measures with it; recomputations report to it
     activation_checkpointing.apply(model, trainer.activation_checkpointing, meter=activations)
     wrapped = strategy.wrap(model, ctx=ctx, measure_comm=trainer.measure_comm)
@@ -64,6 +66,8 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     train_loader, eval_loader = (make_loader(job, ctx, splits, mode, train=t) for t in (True, False))
     lr = optim.scaled_lr(cfg.optim, job.plan.global_batch)
     optimizer = strategy.build_optimizer(wrapped, optim.spec(cfg.optim, lr=lr))
+    if settings.precision == Precision.fp8 and trainer.fp8_all_gather:
+        float8.keep_weight_scales(wrapped.base, optimizer, wrapped.comm)
     steps = settings.total_steps(len(train_loader) // trainer.accumulate)
     resumed = resume.find_checkpoint(trainer.resume, ctx)
     best = Best(*tasks.best_of(cfg))

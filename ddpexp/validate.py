@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from . import strategies
-from .config import ActivationCheckpointing, Device, InitMethod, Mode, Precision
+from .config import ActivationCheckpointing, Device, Fp8Recipe, InitMethod, Mode, Precision
 from .errors import UserError, require_positive
 from .plan import ExternalWorld, HostFacts, Plan
 
@@ -290,6 +290,20 @@ def _check_training(cfg: DictConfig, device_type: str) -> None:
             "fp16 mixed precision needs CUDA (its loss scaling is a GPU feature)",
             setting="trainer.precision",
             fix="use trainer.precision=bf16 on CPU, or 32",
+        )
+    if t.get("fp8_all_gather") and t.precision != Precision.fp8:
+        raise UserError(
+            f"gathers the float8 layers' weights in float8, and this run has none: it trains in "
+            f"{t.precision.name}",
+            setting="trainer.fp8_all_gather",
+            fix="add trainer.precision=fp8, or drop trainer.fp8_all_gather",
+        )
+    if t.get("fp8_all_gather") and t.fp8_recipe != Fp8Recipe.tensorwise:
+        raise UserError(
+            f"needs one scale per weight (tensorwise); {t.fp8_recipe.value} scales each row, and "
+            "torchao gathers such weights in bf16",
+            setting="trainer.fp8_all_gather",
+            fix="use trainer.fp8_recipe=tensorwise, or drop trainer.fp8_all_gather",
         )
     if t.mode == Mode.eval and not t.resume and not cfg.model.get("weights"):
         raise UserError(

@@ -94,6 +94,39 @@ def test_fp8_on_a_model_without_linear_layers_in_blocks_is_one_line(tmp_path: Pa
     assert "trainer.precision" in line and "float8" in line and "fix:" in line
 
 
+def test_fp8_all_gather_without_float8_weights_to_gather_is_one_line(tmp_path: Path):
+    """trainer.fp8_all_gather needs float8 layers (precision fp8) with one scale a weight (tensorwise):
+    refused before anything starts, with the fix."""
+    for wrong, words in (
+        (["trainer.precision=bf16"], ("trains in bf16", "trainer.precision=fp8")),
+        (["trainer.precision=fp8", "trainer.fp8_recipe=rowwise"], ("rowwise", "fp8_recipe=tensorwise")),
+    ):
+        result = run_here(
+            tmp_path, "model=gpt_tiny", "data=python_stdlib", "task=lm", "trainer.fp8_all_gather=true", *wrong
+        )
+        assert result.returncode != 0
+        (line,) = [x for x in result.stderr.splitlines() if "error" in x]
+        assert "trainer.fp8_all_gather" in line and "fix:" in line and all(w in line for w in words), line
+        assert not (tmp_path / "outputs").exists()
+
+
+def test_fp8_all_gather_where_fsdp_gathers_nothing_changes_nothing_and_says_so(tmp_path: Path):
+    """Under ddp no parameter is gathered: the setting trains bit for bit as without it, sends the
+    same bytes, and the log says it changed nothing (a sweep over strategies may carry it)."""
+    args = ["model=gpt_tiny", "data=python_stdlib", "task=lm", "trainer.precision=fp8", "strategy=ddp"]
+    args += ["trainer.max_steps=2", "trainer.progress=false"]
+    runs = {}
+    for flag in (False, True):
+        result = run_here(tmp_path, *args, f"trainer.fp8_all_gather={flag}", f"hydra.run.dir={flag}")
+        assert result.returncode == 0, result
+        runs[flag] = tmp_path / str(flag)
+    assert "FSDP gathers no float8 weight" in (runs[True] / "logs" / "rank0.log").read_text()
+    without, with_it = weights(runs[False]), weights(runs[True])
+    assert without.keys() == with_it.keys() and all(torch.equal(without[k], with_it[k]) for k in without)
+    sent = [metrics(runs[f])["final"]["comm/bytes_per_step"] for f in (False, True)]
+    assert sent[0] == sent[1] > 0
+
+
 def test_an_fp8_checkpoint_resumes_under_fp8_bf16_and_ddp(tmp_path: Path):
     """The state is a Linear's whatever the precision: an fp8 run's step-4 checkpoint continues in fp8
     to the uninterrupted run's weights exactly, and in bf16 (single) or fp8 under ddp to within the
@@ -129,3 +162,17 @@ def test_an_fp8_checkpoint_resumes_under_fp8_bf16_and_ddp(tmp_path: Path):
     for name in ("bf16", "ddp"):
         ours = {k: v.double() for k, v in weights(tmp_path / name).items()}
         assert _apart(ours, fp32, start_w) <= 5e-2, name
+
+
+def test_an_fsdp_fp8_all_gather_run_resumes_to_the_uninterrupted_weights(tmp_path: Path):
+    """fsdp with trainer.fp8_all_gather, stopped at step 2 and resumed to 4, lands on the uninterrupted
+    run's weights bit for bit: the first step after a resume takes each weight's scale from its
+    all-reduced maximum at the gather, as the precomputed scales would have."""
+    base = ["model=gpt_tiny", "data=python_stdlib", "data.max_bytes=30000", "task=lm", "optim.lr=0.1"]
+    base += ["trainer.batch_size=8", "trainer.progress=false", "checkpoint.every_steps=2", "strategy=fsdp"]
+    base += ["trainer.precision=fp8", "trainer.fp8_all_gather=true"]
+    for name, steps, more in (("whole", 4, []), ("cut", 2, []), ("cut", 4, ["trainer.resume=auto"])):
+        result = run_here(tmp_path, *base, f"trainer.max_steps={steps}", *more, f"hydra.run.dir={name}")
+        assert result.returncode == 0, result
+    whole, resumed = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -79,6 +79,7 @@ ALONE: dict[str, list[str]] = {
     "single fp8": ["strategy=single", "trainer.precision=fp8"],
     "ddp fp8": ["strategy=ddp", "trainer.precision=fp8"],
     "fsdp fp8": ["strategy=fsdp", "trainer.precision=fp8"],
+    "fsdp fp8 all-gather": ["strategy=fsdp", "trainer.precision=fp8", "trainer.fp8_all_gather=true"],
     "nd tp 2 fp8": ["strategy=nd", "strategy.tp=2", "strategy.dp_shard=1", "trainer.precision=fp8"],
     "pipeline fp8": ["strategy=pipeline", "trainer.precision=fp8"],
     "single fp8 rowwise": ["strategy=single", "trainer.precision=fp8", "trainer.fp8_recipe=rowwise"],
@@ -224,7 +225,15 @@ def test_bf16_training_gathers_bf16_parameters_and_trains_as_close_to_single_as_
     assert predicted_bytes(gpt_runs[name]) == pytest.approx(bf16["comm/bytes_per_step"], rel=1e-9)
 
 
-FP8 = ["single fp8", "ddp fp8", "fsdp fp8", "nd tp 2 fp8", "pipeline fp8", "single fp8 rowwise"]
+FP8 = [
+    "single fp8",
+    "ddp fp8",
+    "fsdp fp8",
+    "fsdp fp8 all-gather",
+    "nd tp 2 fp8",
+    "pipeline fp8",
+    "single fp8 rowwise",
+]
 
 
 @pytest.mark.parametrize("name", FP8)
@@ -250,6 +259,33 @@ def test_fp8_training_lands_within_its_stated_bound_of_bf16(gpt_runs: dict[str, 
 
         close = 2e-4 if "tp" in name else 1e-9
         assert predicted_bytes(gpt_runs[name]) == pytest.approx(ours["comm/bytes_per_step"], rel=close)
+
+
+def test_fp8_all_gather_sends_the_float8_weights_in_one_byte_and_their_scales_once_a_step(
+    gpt_runs: dict[str, Path],
+):
+    """trainer.fp8_all_gather under fsdp: each float8 layer's weight is cast to float8 on its shard and
+    gathered so (1 byte an element, where fsdp fp8 gathers bf16: 2), in the forward and again in the
+    backward (reshard_after_forward), and after each optimizer step one all-reduce carries every such
+    weight's absolute maximum (one float each) for the next step's scales. The gradients travel as
+    before; the model lands within fp8's bound (test_fp8_training...)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ddpexp import float8, models
+    from ddpexp.data import build_source
+    from ddpexp.strategies.fsdp import shard_of
+
+    cfg = OmegaConf.load(gpt_runs["fsdp fp8 all-gather"] / "config.yaml")
+    with torch.device("meta"):
+        model = models.build(cfg.model, build_source(cfg.data).info())
+    cast = float8.weights(model)
+    shard = sum(shard_of(w.shape, 2, 0) for w in cast)  # elements of a rank's shard
+    plain, gathered = (metrics(gpt_runs[n])["final"] for n in ("fsdp fp8", "fsdp fp8 all-gather"))
+    params, grads = "comm/bytes_per_step/parameters", "comm/bytes_per_step/gradients"
+    assert len(cast) == 12 and shard > 0
+    assert gathered[params] == plain[params] - 2 * shard * (2 - 1) + 4 * len(cast)
+    assert gathered[grads] == plain[grads]
 
 
 def test_the_measure_catches_a_gradient_off_by_a_tenth_of_a_percent(gpt_runs: dict[str, Path]):

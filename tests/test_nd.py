@@ -180,6 +180,27 @@ def test_bf16_training_sends_what_its_declaration_says_in_bf16(tmp_path: Path, m
     assert predicted_bytes(tmp_path / "run") == pytest.approx(final["comm/bytes_per_step"], rel=1e-12)
 
 
+def test_fp8_all_gather_on_a_mesh_sends_what_its_declaration_says(tmp_path: Path):
+    """trainer.fp8_all_gather with FSDP over dp_shard 2 and tensor parallelism 2: FSDP gathers each
+    rank's float8 weight shards in float8, and the weights' absolute maxima are all-reduced once a step
+    over both mesh dimensions they are split on (one float a weight, each). Declared to the byte; the
+    float8 scales of tensor parallelism's own activations (a float each) stay undeclared there."""
+    from ddpexp.predict import predicted_bytes
+
+    args = [*GPT, "trainer.max_steps=2", "trainer.precision=fp8", "trainer.fp8_all_gather=true"]
+    result = run_here(
+        tmp_path, *args, "strategy=nd", "strategy.tp=2", "strategy.dp_shard=2", "hydra.run.dir=run"
+    )
+    assert result.returncode == 0, result
+    final = metrics(tmp_path / "run")["final"]
+    tp = "comm/bytes_per_step/tensor_parallel"
+    fsdp = final["comm/bytes_per_step"] - final[tp]
+    assert (
+        predicted_bytes(tmp_path / "run") - predicted_bytes(tmp_path / "run", kind="tensor_parallel") == fsdp
+    )
+    assert predicted_bytes(tmp_path / "run") == pytest.approx(final["comm/bytes_per_step"], rel=2e-4)
+
+
 def test_sequence_parallelism_moves_other_collectives_than_plain_tensor_parallelism(nd_runs: dict[str, Path]):
     """The same parameters, but its reduce-scatters and all-gathers are not plain tp's all-reduces:
     the byte counts differ (and each matches its own declaration, above)."""

@@ -260,6 +260,7 @@ def estimate(
         input_dtype=job.input_dtype,
         precision=job.precision,
         activation_checkpointing=candidate.settings.ac,
+        fp8_all_gather=bool(job.cfg.trainer.get("fp8_all_gather", False)),
     )
     shards = len(set(strategy.data_layout(world_size=world)))
     timed = [(c, fabric.time_s(c)) for c in communication(strategy, work, cache)]

@@ -192,6 +192,7 @@ def predict(
         input_dtype=torch.long if info.vocab_size is not None else torch.float32,
         precision=Precision.of(cfg.trainer.precision).name,
         activation_checkpointing=str(cfg.trainer.activation_checkpointing),
+        fp8_all_gather=bool(cfg.trainer.get("fp8_all_gather", False)),
     )
     held = strategy.held(job=job)
     # Split copies run as rank 0 of a fake group: a rank's place on the mesh changes only which chunk of

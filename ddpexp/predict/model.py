@@ -254,6 +254,7 @@ class Predictor:
             input_dtype=self.shape.input_dtype,
             precision=self.precision,
             activation_checkpointing=self.activation_checkpointing,
+            fp8_all_gather=bool(self._trainer("fp8_all_gather")),
         )
 
     def _trainer(self, name: str) -> Any:

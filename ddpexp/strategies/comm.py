@@ -330,6 +330,7 @@ class Workload:
     # trainer.activation_checkpointing: under full, each block's forward runs again in its backward,
     # and sends again what its forward sends (context parallelism's gathers).
     activation_checkpointing: str = "none"
+    fp8_all_gather: bool = False  # trainer.fp8_all_gather: FSDP gathers the float8 layers' weights in float8
 
     @property
     def procs_per_node(self) -> int:

@@ -214,7 +214,9 @@ class Fsdp(Strategy[FsdpConfig]):
         mixed = self.precisions(job.precision)
         reshard = self.settings.reshard_after_forward
         offload = self.settings.offload
-        gathered, buffers = gathered_bytes(unit_params(job.model), mixed, reshard=reshard)
+        gathered, buffers = gathered_bytes(
+            unit_params(job.model), mixed, reshard=reshard, own=gathered_sizes(job)
+        )
         samples = job.global_batch / job.world / job.accumulate
         out = []
         for rank in range(job.world):
@@ -257,7 +259,7 @@ class Fsdp(Strategy[FsdpConfig]):
         if world < 2:
             return out
         out += sharded_traffic(
-            unit_shards(units, world, element_size=gather),
+            unit_shards(units, world, element_size=gather, own=gathered_sizes(job)),
             world,
             gathers=job.accumulate,
             reduces=1,
@@ -266,6 +268,7 @@ class Fsdp(Strategy[FsdpConfig]):
             reduced=unit_shards(units, world, element_size=reduce),
             per_node=min(world, job.procs_per_node),
         )
+        out += float8_scale_traffic(job, [(world, job.spans_nodes(world), min(world, job.procs_per_node))])
         return out + (syncbn.communication(job.model, job) if self.settings.sync_bn else [])
 
     # ------------------------------------------------------------------------- checkpoints
@@ -353,14 +356,47 @@ def unit_shards(
     *,
     element_size: int | None = None,
     shapes: dict[int, tuple[int, ...]] | None = None,
+    own: dict[int, int] | None = None,
 ) -> list[int]:
     """Bytes of one rank's shard of each unit (a list of parameters, one fully_shard call) over `ranks`,
     for the units that have parameters (one without has no collectives). FSDP2 shards every parameter
     on dim 0 in ceil(d0/W) rows, padding the last ranks' chunks. `element_size`: bytes an element
     travels in (mixed precision), else the parameter's; `shapes`: a parameter's shape as this rank
-    holds it, where not its own (a tensor-parallel split)."""
-    sizes = (_shard_bytes(ps, ranks, element_size, shapes or {}) for ps in units)
+    holds it, where not its own (a tensor-parallel split); `own`: the bytes an element of a parameter
+    travels in where not `element_size` (float8 weights, `gathered_sizes`)."""
+    sizes = (_shard_bytes(ps, ranks, element_size, shapes or {}, own or {}) for ps in units)
     return [b for b in sizes if b]
+
+
+def gathered_sizes(job: Workload) -> dict[int, int]:
+    """The parameters FSDP gathers in a dtype of their own, by id, with its bytes an element: under
+    trainer.fp8_all_gather the float8 layers' weights, cast to float8 (1 byte) before the gather."""
+    if not job.fp8_all_gather or job.precision != "fp8":
+        return {}
+    from .. import float8
+
+    return dict.fromkeys(map(id, float8.weights(job.model)), 1)
+
+
+def float8_scale_traffic(job: Workload, groups: list[tuple[int, bool, int]]) -> list[Collective]:
+    """Under trainer.fp8_all_gather, after each optimizer step: the absolute maxima of the weights FSDP
+    gathers in float8, one float each, all-reduced over each group (ranks, across nodes, ranks a node)
+    the weights are sharded over (float8.keep_weight_scales), as its meter counts them."""
+    count = len(gathered_sizes(job))
+    return [
+        Collective(
+            "float8 weights' scales all-reduce (fp8_all_gather)",
+            "all_reduce",
+            4.0 * count,
+            ranks,
+            1,
+            counted=4.0 * count,
+            inter_node=spans,
+            per_node=per_node,
+        )
+        for ranks, spans, per_node in groups
+        if count and ranks > 1
+    ]
 
 
 def chunk_len(n: int, ranks: int, rank: int) -> int:
@@ -382,6 +418,7 @@ def gathered_bytes(
     *,
     reshard: bool,
     shapes: dict[int, tuple[int, ...]] | None = None,
+    own: dict[int, int] | None = None,
 ) -> tuple[int | None, int]:
     """What FSDP holds of the parameters at the step's peak, in a unit's backward, as (the parameters
     alive where more than the rank's shards: every unit gathered, without resharding, from its
@@ -389,19 +426,24 @@ def gathered_bytes(
     one computing and the next, prefetched, where it reshards, or the shards beside the gathered
     parameters where it does not; and that unit's unsharded gradient, in the dtype it computes in,
     with the buffer its reduce-scatter sends, in the reduce dtype). Gathered parameters are in the
-    policy's dtype. `shapes`: a parameter's shape as the rank holds it before FSDP (a tensor-parallel
-    split), where not its own."""
+    policy's dtype, the float8 weights of trainer.fp8_all_gather in float8 (`own`, gathered_sizes).
+    `shapes`: a parameter's shape as the rank holds it before FSDP (a tensor-parallel split), where not
+    its own."""
     gather, reduce = mixed.element_sizes()
-    numel = [sum(math.prod((shapes or {}).get(id(p), tuple(p.shape))) for p in ps) for ps in units if ps]
-    if not numel:
+    shapes, own = shapes or {}, own or {}
+    full = [ps for ps in units if ps]
+    if not full:
         return None, 0
-    element = next(p for ps in units for p in ps).element_size()
+    element = full[0][0].element_size()
     gather, reduce = gather or element, reduce or element
-    largest = sorted(numel, reverse=True)
-    unit_grad = largest[0] * (gather + reduce)
+    numel = [sum(math.prod(shapes.get(id(p), tuple(p.shape))) for p in ps) for ps in full]
+    gathered = [
+        sum(math.prod(shapes.get(id(p), tuple(p.shape))) * own.get(id(p), gather) for p in ps) for ps in full
+    ]
+    unit_grad = max(numel) * (gather + reduce)
     if reshard:
-        return None, sum(largest[:2]) * gather + unit_grad
-    return sum(numel) * gather, unit_grad
+        return None, sum(sorted(gathered, reverse=True)[:2]) + unit_grad
+    return sum(gathered), unit_grad
 
 
 def sharded_traffic(
@@ -459,12 +501,17 @@ def sharded_traffic(
 
 
 def _shard_bytes(
-    params: list[nn.Parameter], world: int, element_size: int | None, shapes: dict[int, tuple[int, ...]]
+    params: list[nn.Parameter],
+    world: int,
+    element_size: int | None,
+    shapes: dict[int, tuple[int, ...]],
+    own: dict[int, int],
 ) -> int:
     """Bytes of one rank's shard of these parameters: ceil(d0/W) rows of each (FSDP2's padded chunk,
     rank 0's: every rank's travels at that size)."""
     return sum(
-        shard_of(shapes.get(id(p), tuple(p.shape)), world, 0) * (element_size or p.element_size())
+        shard_of(shapes.get(id(p), tuple(p.shape)), world, 0)
+        * own.get(id(p), element_size or p.element_size())
         for p in params
     )
 

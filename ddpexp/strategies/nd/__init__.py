@@ -64,9 +64,11 @@ from ..fsdp import (
     Precisions,
     ReduceDtype,
     chunk_len,
+    float8_scale_traffic,
     full_model_state,
     full_optimizer_state,
     gathered_bytes,
+    gathered_sizes,
     load_full_model_state,
     load_full_optimizer_state,
     metered_collectives,
@@ -391,6 +393,7 @@ class Nd(Strategy[NdConfig]):
         if degrees.tp > 1 and self.settings.loss_parallel:
             loss_context = functools.partial(tensor_parallel.loss_context, True)
         units = unit_params(job.model)
+        own = gathered_sizes(job)
         split = self._tensor_split(degrees) if degrees.tp > 1 else None
         split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel)
         held: dict[tuple[int, ...], Held] = {}  # ranks at the same stage and chunks hold alike
@@ -424,7 +427,9 @@ class Nd(Strategy[NdConfig]):
                 offload = self.settings.offload and degrees.fsdp > 1
                 in_step, buffers = None, 0
                 if degrees.shard > 1:
-                    in_step, buffers = gathered_bytes(mine_units, mixed, reshard=reshard, shapes=shapes)
+                    in_step, buffers = gathered_bytes(
+                        mine_units, mixed, reshard=reshard, shapes=shapes, own=own
+                    )
                     buffers += 0 if reshard or offload else sharded
                 how: dict[str, Any] = {
                     "split": split,
@@ -558,7 +563,9 @@ class Nd(Strategy[NdConfig]):
         replica_spans = job.spans_nodes(degrees.tp * degrees.fsdp)
         gather, reduce = self.precisions(degrees, job.precision).element_sizes()
         units = unit_params(job.model)
-        shards = unit_shards(units, degrees.shard, element_size=gather, shapes=shapes)
+        shards = unit_shards(
+            units, degrees.shard, element_size=gather, shapes=shapes, own=gathered_sizes(job)
+        )
         grads = unit_shards(units, degrees.shard, element_size=reduce, shapes=shapes)
         out = sharded_traffic(
             shards,
@@ -569,6 +576,14 @@ class Nd(Strategy[NdConfig]):
             inter_node=shard_spans,
             reduced=grads,
             per_node=max(1, job.procs_per_node // degrees.tp),
+        )
+        # The float8 weights are sharded over dp_shard x cp and, split by tensor parallelism, over tp.
+        out += float8_scale_traffic(
+            job,
+            [
+                (degrees.shard, shard_spans, max(1, job.procs_per_node // degrees.tp)),
+                (degrees.tp, job.spans_nodes(degrees.tp), min(degrees.tp, job.procs_per_node)),
+            ],
         )
         if self.settings.offload:
             again = self.settings.reshard_after_forward and not staged
