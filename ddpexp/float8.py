@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -163,20 +163,21 @@ def gathered_weights(model: nn.Module) -> list[Any]:
     ]
 
 
-def keep_weight_scales(model: nn.Module, optimizer: Any, meter: Any = None) -> int:
+def keep_weight_scales(model: nn.Module, optimizer: Any, meter: Any = None) -> Callable[[], None]:
     """Under trainer.fp8_all_gather: after every optimizer step, the scales of all the weights FSDP
     gathers in float8 from one all-reduce of their absolute maxima (torchao's
     precompute_float8_dynamic_scale_for_fsdp, as torchtitan runs it), rather than an all-reduce of one
     float for each weight at each of its gathers. Counted into `meter` (kind parameters): the maxima,
-    one float a weight, all-reduced over each mesh dimension the weights are sharded on. Returns how
-    many weights; 0 (a line in the log) where FSDP gathers none, as under ddp or tensor parallelism
-    alone: the setting then changes nothing."""
+    one float a weight, all-reduced over each mesh dimension the weights are sharded on. Returns what
+    computes them once, outside any step, for the weights training starts from (after a resume's
+    restore): the first step then sends what every other does. Where FSDP gathers no weight, as under
+    ddp or tensor parallelism alone, the setting changes nothing (a line in the log says so)."""
     import time
 
     weights = gathered_weights(model)
     if not weights:
         log.info("trainer.fp8_all_gather: FSDP gathers no float8 weight in this run; nothing changes")
-        return 0
+        return lambda: None
     with _quiet_import():
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -191,7 +192,7 @@ def keep_weight_scales(model: nn.Module, optimizer: Any, meter: Any = None) -> i
             meter.record(start, time.perf_counter(), nbytes, "parameters")
 
     optimizer.register_step_post_hook(after_step)
-    return len(weights)
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def is_float8(module: Any) -> bool:

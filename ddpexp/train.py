@@ -66,8 +66,9 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     train_loader, eval_loader = (make_loader(job, ctx, splits, mode, train=t) for t in (True, False))
     lr = optim.scaled_lr(cfg.optim, job.plan.global_batch)
     optimizer = strategy.build_optimizer(wrapped, optim.spec(cfg.optim, lr=lr))
+    weight_scales = lambda: None  # noqa: E731
     if settings.precision == Precision.fp8 and trainer.fp8_all_gather:
-        float8.keep_weight_scales(wrapped.base, optimizer, wrapped.comm)
+        weight_scales = float8.keep_weight_scales(wrapped.base, optimizer, wrapped.comm)
     steps = settings.total_steps(len(train_loader) // trainer.accumulate)
     resumed = resume.find_checkpoint(trainer.resume, ctx)
     best = Best(*tasks.best_of(cfg))
@@ -122,6 +123,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
         )
         if resumed is not None:
             keeper.restore(resumed, train=trainer.mode == Mode.train)
+        weight_scales()  # of the weights training starts from
         if trainer.mode == Mode.eval:
             return evaluate_only(engine, recorder)
         return fit_and_record(engine, recorder, strategy)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ... import activation_checkpointing
+from ... import activation_checkpointing, float8
 from ...config import Precision, StrategyConfig
 from ...errors import UserError
 from ...optim import OptimizerSpec
@@ -513,6 +513,8 @@ class Nd(Strategy[NdConfig]):
                 inter_node=job.spans_nodes(degrees.tp),
                 param_dtype=mixed.param,
                 autocast_dtype=autocast,
+                float8=frozenset(float8.eligible(job.model)) if job.precision == "fp8" else frozenset(),
+                float8_weights_gathered=bool(gathered_sizes(job)) and degrees.shard > 1,
             )
         if degrees.cp > 1:
             out += context_parallel.communication(

@@ -228,12 +228,16 @@ def communication(
     inter_node: bool,
     param_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
+    float8: frozenset[str] = frozenset(),
+    float8_weights_gathered: bool = False,
 ) -> list[Collective]:
     """What the plan sends per optimizer step of `microbatches` forward/backward passes of
     `micro_batch` samples each, over `tp` ranks (see the module docstring); `model` on meta.
     `param_dtype`: the dtype FSDP's mixed-precision policy computes in (every parameter cast to it,
     so every activation is in it); `autocast_dtype`: the engine's autocast's (the linear layers'
-    products in it); None: as stored."""
+    products in it); None: as stored. `float8`: the paths of the float8 linear layers (precision fp8),
+    whose split tensors' scales are all-reduced (`_float8_scales`); `float8_weights_gathered`: their
+    weights arrive cast, with their scales, from FSDP's float8 all-gather."""
     shapes = _module_shapes(model, plan, micro_batch, input_shape, input_dtype, param_dtype, autocast_dtype)
     totals: dict[tuple[str, str, Overlap], list[float]] = {}
     for path, style in plan.items():
@@ -241,6 +245,8 @@ def communication(
         given = _arrives_as_dtensor(plan, path)
         module = model.get_submodule(path)
         traffic = _style_traffic(style, inputs, output, module, given, param_dtype)
+        if path in float8:
+            traffic += _float8_scales(style, float8_weights_gathered)
         if _keeps_output_split(style):
             traffic += _loss_parallel_traffic(math.prod(shape[:-1]))
         for t in traffic:
@@ -358,6 +364,21 @@ def _arrives_as_dtensor(plan: dict[str, Any], path: str) -> bool:
         if isinstance(outer, PrepareModuleInput) and not outer.use_local_output:
             return True
     return False
+
+
+def _float8_scales(style: Any, weights_gathered: bool) -> list[_Traffic]:
+    """A float8 linear layer split by tensor parallelism casts tensors that each rank holds a part of,
+    and a dynamic scale is the whole tensor's: each part's absolute maximum is all-reduced, a float64
+    (torchao's amax_to_scale on a DTensor). Per pass: the weight (forward, and again for the input's
+    gradient in the backward), unless FSDP's float8 all-gather brought it cast; and the operand split
+    on the dimension the product sums over twice (column-wise: the output's gradient, for the input's
+    gradient and for the weight's; row-wise: the input, forward and again for the weight's gradient)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(style, ColwiseParallel | RowwiseParallel):
+        return []
+    casts = 2 if weights_gathered else 4
+    return [_Traffic("float8 scales of split tensors (a float64 each)", "all_reduce", 8.0)] * casts
 
 
 def _style_traffic(
