@@ -350,6 +350,10 @@ def test_bad_degrees_are_refused_naming_the_setting(given: dict[str, int], world
             ["strategy.pp=2", "strategy.dp_shard=1", "strategy.microbatches=3"],
             ["strategy.microbatches", "does not split into 3 micro-batches"],
         ),
+        # A degree of 0 beside dp_shard's default -1 divided by zero choosing the ranks to start.
+        (["strategy.tp=0"], ["strategy.tp", "positive degree", "got 0"]),
+        (["strategy.dp_replicate=0"], ["strategy.dp_replicate", "positive degree"]),
+        (["strategy.pp=2", "strategy.microbatches=0"], ["strategy.microbatches", "positive, got 0"]),
     ],
 )
 def test_the_command_line_refuses_a_mesh_that_cannot_work_before_anything_starts(

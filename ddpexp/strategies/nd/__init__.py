@@ -162,7 +162,7 @@ class Nd(Strategy[NdConfig]):
         product the host's default (its GPUs; 2 on a CPU) holds, at least one."""
         s = self.settings
         given = (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp)
-        if min(given) == 0 or min(given) < -1:
+        if any(g == 0 or g < -1 for g in given):
             return 1  # check() names the bad degree
         fixed = math.prod(g for g in given if g != -1)
         if -1 not in given:

@@ -340,6 +340,7 @@ def check_microbatches(
 ) -> None:
     """Refuse micro-batches that do not split the per-rank batch, or too few for the schedule."""
     batch = plan.per_rank_batch
+    require_positive({"strategy.microbatches": micro})
     if batch % micro:
         divisor = max(d for d in range(1, micro + 1) if batch % d == 0)
         per_batch = plan.global_batch // batch  # replicas x accumulated micro-batches
