@@ -357,6 +357,9 @@ def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
         (["--cluster", "8xh100_sxm", "--nodes", "2", "--cluster", "NOINTER"], "nointer.yaml: inter: "),
         (["--cluster", "8xh100_sxm", "--validation", "NOWHERE.json"], "NOWHERE.json does not exist"),
         (["--cluster", "8xh100_sxm", "--validation", "DAMAGED"], "damaged.json is not a validation record"),
+        (["--cluster", "8xh100_sxm", "--tokens", "-5"], "--tokens: -5 is not an amount to train"),
+        (["--cluster", "8xh100_sxm", "--tokens", "1e400"], "--tokens: inf is not an amount to train"),
+        (["--cluster", "8xh100_sxm", "--epochs", "nan"], "--epochs: nan is not an amount to train"),
     ],
     ids=[
         "unknown",
@@ -367,6 +370,9 @@ def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
         "no inter-node link",
         "no validation record",
         "damaged validation record",
+        "negative tokens",
+        "infinite tokens",
+        "nan epochs",
     ],
 )
 def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], said: str):

@@ -92,6 +92,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_target(tokens: float | None, epochs: float | None) -> None:
+    """What to train to must be a finite amount above 0 (argparse takes nan, inf and 1e400 as floats)."""
+    for flag, value, example in (("--tokens", tokens, "1e9"), ("--epochs", epochs, "3")):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(
+                f"{value:g} is not an amount to train: the plan is timed and priced to a finite amount above 0",
+                setting=flag,
+                fix=f"give {flag} {example}, or leave it out to compare step times only",
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     flags = [o for o in overrides if o.startswith("-")]
@@ -99,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ddpexp plan: error: {flags[0]} is not an option (ddpexp plan --help)", file=sys.stderr)
         return UserError.exit_code
     try:
+        check_target(args.tokens, args.epochs)
         cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
         if args.mfu is not None:
             if not 0 < args.mfu <= 1:
