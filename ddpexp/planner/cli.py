@@ -97,7 +97,7 @@ def check_target(tokens: float | None, epochs: float | None) -> None:
     for flag, value, example in (("--tokens", tokens, "1e9"), ("--epochs", epochs, "3")):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UserError(
-                f"{value:g} is not an amount to train: the plan is timed and priced to a finite amount above 0",
+                f"{value:g} is not an amount to train: plans are timed and priced to a finite amount above 0",
                 setting=flag,
                 fix=f"give {flag} {example}, or leave it out to compare step times only",
             )
