@@ -354,6 +354,10 @@ def test_bad_degrees_are_refused_naming_the_setting(given: dict[str, int], world
         (["strategy.tp=0"], ["strategy.tp", "positive degree", "got 0"]),
         (["strategy.dp_replicate=0"], ["strategy.dp_replicate", "positive degree"]),
         (["strategy.pp=2", "strategy.microbatches=0"], ["strategy.microbatches", "positive, got 0"]),
+        (
+            ["strategy.pp=2", "strategy.dp_shard=1", "model.tie_embeddings=true"],
+            ["strategy.pp: tok_embeddings.weight, output.weight", "tied", "use fewer strategy.pp"],
+        ),
     ],
 )
 def test_the_command_line_refuses_a_mesh_that_cannot_work_before_anything_starts(

@@ -106,8 +106,9 @@ def model_stages(model: nn.Module) -> list[nn.Module]:
     return list(stages())
 
 
-def refuse_ties_across(model: nn.Module, parts: list[nn.Module]) -> None:
-    """A tensor that two parts hold (tied weights) cannot live on two devices or processes at once."""
+def refuse_ties_across(model: nn.Module, parts: list[nn.Module], setting: str = "strategy.stages") -> None:
+    """A tensor that two parts hold (tied weights) cannot live on two devices or processes at once.
+    `setting`: the degree that asks for the parts (nd's strategy.pp)."""
     owner: dict[int, int] = {}
     shared: set[int] = set()
     for index, part in enumerate(parts):
@@ -119,8 +120,8 @@ def refuse_ties_across(model: nn.Module, parts: list[nn.Module]) -> None:
         raise UserError(
             f"{', '.join(names[:3])} would be in two stages at once (tied weights): each stage holds "
             "its own weights, on its own device or process",
-            setting="strategy.stages",
-            fix="untie them in the model (e.g. model.tie_embeddings=false), use fewer strategy.stages "
+            setting=setting,
+            fix=f"untie them in the model (e.g. model.tie_embeddings=false), use fewer {setting} "
             "(tied layers in one stage), or strategy=ddp",
         )
 

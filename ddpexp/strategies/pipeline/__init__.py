@@ -392,7 +392,7 @@ def check_stages(model: nn.Module, count: int, *, setting: str, per_rank: int = 
             setting="strategy",
             fix="make stages() cover every layer of the model, or use strategy=ddp",
         )
-    refuse_ties_across(model, group(stages, count))
+    refuse_ties_across(model, group(stages, count), setting)
 
 
 def _replicas(settings: PipelineConfig, world: int) -> int:
