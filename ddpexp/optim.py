@@ -24,22 +24,27 @@ _REFUSED_BY_TORCH = (
     ("epsilon", "optim.eps", "set optim.eps to a small positive number, e.g. 1e-8"),
     ("beta", "optim.betas", "set optim.betas to two numbers in [0, 1), e.g. [0.9,0.999]"),
 )
-_NUMBERS = ("lr", "weight_decay", "momentum", "eps", "gamma", "min_lr_ratio")
 
 
 def check(cfg: DictConfig) -> None:
-    """Refuse what the optimizer would refuse, before anything starts: every number finite (torch lets
-    an infinite learning rate through, and a NaN one would train a whole epoch on NaN), the LR
-    positive, then the optimizer's own checks (momentum, weight decay, betas, eps, Nesterov), so that
+    """Refuse what the optimizer would refuse, before anything starts (its numbers finite: validate
+    refuses a nan or infinite setting anywhere): the LR positive, the schedule within the LR it starts
+    from, then the optimizer's own checks (momentum, weight decay, betas, eps, Nesterov), so that
     torch's refusal speaks here rather than in every worker."""
-    numbers = {f"optim.{key}": cfg[key] for key in _NUMBERS} | {
-        f"optim.betas[{i}]": beta for i, beta in enumerate(cfg.betas)
-    }
-    for key, value in numbers.items():
-        if not math.isfinite(value):
-            raise UserError(
-                f"must be a finite number, got {value}", setting=key, fix=f"set {key} to a number"
-            )
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise UserError(
+            f"the cosine schedule ends at lr x min_lr_ratio; {cfg.min_lr_ratio} is outside 0..1 (a "
+            "negative learning rate ascends the loss, one above the peak is no decay)",
+            setting="optim.min_lr_ratio",
+            fix="use optim.min_lr_ratio between 0 and 1 (e.g. 0.1)",
+        )
+    if not 0 < cfg.gamma <= 1:
+        raise UserError(
+            f"the step schedule multiplies the learning rate by gamma every step_size steps; {cfg.gamma} "
+            "is outside (0, 1]",
+            setting="optim.gamma",
+            fix="use optim.gamma between 0 and 1 (e.g. 0.1), or optim.schedule=constant",
+        )
     if cfg.lr <= 0:
         raise UserError(f"must be positive, got {cfg.lr}", setting="optim.lr", fix="set optim.lr > 0")
     made = _spec(cfg, lr=cfg.lr)

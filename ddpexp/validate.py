@@ -8,10 +8,11 @@ batch) is decided here once, in the parent, and shipped to the workers with the 
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from . import strategies
 from .config import ActivationCheckpointing, Device, Fp8Recipe, InitMethod, Mode, Precision
@@ -28,6 +29,7 @@ _COMBINED_BACKEND = re.compile(r"^(cpu|cuda):(nccl|gloo|mpi)(,(cpu|cuda):(nccl|g
 def plan(cfg: DictConfig, host: HostFacts, external: ExternalWorld | None = None) -> Plan:
     """The launch layout of one job, or a UserError. The strategy decides its devices per process and
     default process count, and checks the finished plan against its own settings."""
+    _check_finite(cfg)
     strategy = strategies.resolve(cfg.strategy)
     _check_sizes(cfg)
     device_type = _device_type(cfg.device, host)
@@ -281,6 +283,32 @@ def _backend(requested: str, device_type: str, host: HostFacts) -> str:
     if "gloo" in names and not host.gloo:
         raise UserError("this PyTorch build has no gloo", setting="backend", fix="use backend=nccl or mpi")
     return requested
+
+
+def _check_finite(cfg: DictConfig) -> None:
+    """No setting may be nan or infinite (a YAML .nan or .inf, or 1e400 on the command line): every
+    float of the composed config, whatever its section, refused before anything reads it (a nan
+    threshold compares false with everything, so clip_grad_norm=nan trained unclipped and
+    hang_timeout_s=nan switched hang detection off)."""
+    plain = {
+        str(key): OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        for key, value in cfg.items()
+        if key != "hydra"  # Hydra's own, with interpolations only a running job resolves
+    }
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(inner, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list):
+            for index, inner in enumerate(value):
+                walk(inner, f"{path}[{index}]")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise UserError(
+                f"must be a finite number, got {value}", setting=path, fix=f"give {path} a finite value"
+            )
+
+    walk(plain, "")
 
 
 def _check_training(cfg: DictConfig, device_type: str) -> None:

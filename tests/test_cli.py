@@ -217,6 +217,16 @@ REFUSALS = [
         ["trainer.resume=/nonexistent/step-1.pt"],
         ["trainer.resume", "/nonexistent/step-1.pt", "does not exist"],
     ),
+    # Non-finite settings, whatever their section (a nan threshold compares false with everything).
+    (["trainer.clip_grad_norm=nan"], ["trainer.clip_grad_norm: must be a finite number, got nan"]),
+    (["strategy=diloco", "strategy.outer_lr=inf"], ["strategy.outer_lr: must be a finite number, got inf"]),
+    (["dist.hang_timeout_s=nan"], ["dist.hang_timeout_s: must be a finite number"]),
+    (["optim.lr=1e400"], ["optim.lr: must be a finite number, got inf"]),
+    (["optim=adamw", "optim.betas=[0.9,nan]"], ["optim.betas[1]: must be a finite number"]),
+    # Schedules that would leave the learning rate negative or above its peak.
+    (["optim.schedule=cosine", "optim.min_lr_ratio=-1"], ["optim.min_lr_ratio", "outside 0..1"]),
+    (["optim.schedule=cosine", "optim.min_lr_ratio=2"], ["optim.min_lr_ratio", "outside 0..1"]),
+    (["optim.schedule=step", "optim.gamma=-1"], ["optim.gamma", "outside (0, 1]"]),
 ]
 
 
