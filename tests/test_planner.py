@@ -357,6 +357,10 @@ def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
         (["--cluster", "8xh100_sxm", "--nodes", "2", "--cluster", "NOINTER"], "nointer.yaml: inter: "),
         (["--cluster", "8xh100_sxm", "--validation", "NOWHERE.json"], "NOWHERE.json does not exist"),
         (["--cluster", "8xh100_sxm", "--validation", "DAMAGED"], "damaged.json is not a validation record"),
+        (["--cluster", "RESERVE"], "reserve.yaml: reserve_gib: reserves 100 GiB of a 80 GiB device"),
+        (["--cluster", "NEGATIVE"], "negative.yaml: reserve_gib: must be 0 or more GiB, got -50"),
+        (["--cluster", "HALF"], "half.yaml: nodes: must be a whole number, 1 or more, got 1.5"),
+        (["--cluster", "LATIN"], "latin.yaml is not a readable YAML profile"),
         (["--cluster", "8xh100_sxm", "--tokens", "-5"], "--tokens: -5 is not an amount to train"),
         (["--cluster", "8xh100_sxm", "--tokens", "1e400"], "--tokens: inf is not an amount to train"),
         (["--cluster", "8xh100_sxm", "--epochs", "nan"], "--epochs: nan is not an amount to train"),
@@ -370,6 +374,10 @@ def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
         "no inter-node link",
         "no validation record",
         "damaged validation record",
+        "reserve above the memory",
+        "negative reserve",
+        "half a node",
+        "latin-1 byte",
         "negative tokens",
         "infinite tokens",
         "nan epochs",
@@ -379,8 +387,14 @@ def test_bad_input_is_one_line_with_the_fix(tmp_path: Path, args: list[str], sai
     profile = (Path(__file__).resolve().parent.parent / "conf" / "cluster" / "8xh100_sxm.yaml").read_text()
     (tmp_path / "missing.yaml").write_text(profile.replace("device: h100_sxm\n", ""))
     (tmp_path / "nointer.yaml").write_text(profile.replace("inter: ib400\n", ""))
-    args = [a.replace("MISSING", str(tmp_path / "missing.yaml")) for a in args]
-    args = [a.replace("NOINTER", str(tmp_path / "nointer.yaml")) for a in args]
+    (tmp_path / "reserve.yaml").write_text(profile.replace("reserve_gib: 4\n", "reserve_gib: 100\n"))
+    (tmp_path / "negative.yaml").write_text(profile.replace("reserve_gib: 4\n", "reserve_gib: -50\n"))
+    (tmp_path / "half.yaml").write_text(profile.replace("nodes: 1\n", "nodes: 1.5\n"))
+    (tmp_path / "latin.yaml").write_bytes(
+        profile.encode().replace(b"an assumption", b"an assumption \xe9", 1)
+    )
+    for name in ("missing", "nointer", "reserve", "negative", "half", "latin"):
+        args = [a.replace(name.upper(), str(tmp_path / f"{name}.yaml")) for a in args]
     (tmp_path / "damaged.json").write_text('{"machine": "x", "cases": [')
     args = [a.replace("DAMAGED", str(tmp_path / "damaged.json")) for a in args]
     result = plan(tmp_path, *args)

@@ -84,22 +84,35 @@ def load_cluster(name: str, *, nodes: int | None = None, price: float | None = N
     from ..composition import profile_file
 
     path = profile_file("cluster", name, setting="--cluster", what="cluster profile")
-    raw: Any = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw: Any = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(
+            f"{path} is not a readable YAML profile: {' '.join(str(exc).split())[:160]}",
+            setting="--cluster",
+            fix="save it as UTF-8 YAML, as conf/cluster/8xh100_sxm.yaml is",
+        ) from exc
     fields = _Fields(raw if isinstance(raw, dict) else {}, path)
     mfu = raw.get("achieved_mfu") if isinstance(raw, dict) else None
     cluster = Cluster(
         name=path.stem,
-        devices_per_node=int(fields.positive("devices_per_node")),
-        nodes=int(fields.positive("nodes")) if nodes is None else nodes,
+        devices_per_node=fields.count("devices_per_node"),
+        nodes=fields.count("nodes") if nodes is None else nodes,
         hardware=load_device(fields.value("device"), where=path.name),
         intra=str(fields.value("intra")),
         inter=None if raw.get("inter") is None else str(raw["inter"]),
         achieved_mfu=None if mfu is None else fields.positive("achieved_mfu"),
-        reserve_gib=float(raw.get("reserve_gib") or 0.0),
+        reserve_gib=fields.reserve(),
         price_per_device_hour=fields.positive("price_per_device_hour") if price is None else price,
         accelerator=None if raw.get("accelerator") is None else str(raw["accelerator"]),
         **_host(fields, raw),
     )
+    if cluster.reserve_gib >= cluster.memory_gib:
+        raise fields._missing(
+            "reserve_gib",
+            f"reserves {cluster.reserve_gib:g} GiB of a {cluster.memory_gib:g} GiB device: nothing is left "
+            "to plan with",
+        )
     if cluster.achieved_mfu is None and not cluster.hardware.per_op:
         raise UserError(
             f"{cluster.device} has no per-op figures (matmul_efficiency, memory_bandwidth_GBps) and the "
@@ -168,6 +181,22 @@ class _Fields:
         if not isinstance(found, dict):
             raise self._missing(key, f"must be a mapping, got {found!r}")
         return found
+
+    def count(self, key: str) -> int:
+        """A whole number of things (nodes, devices) above 0: 1.5 nodes is not truncated to 1."""
+        found = self.value(key)
+        if isinstance(found, bool) or not isinstance(found, int) or found < 1:
+            raise self._missing(key, f"must be a whole number, 1 or more, got {found!r}")
+        return found
+
+    def reserve(self) -> float:
+        """reserve_gib: memory the framework and allocator keep, 0 or more (absent: 0)."""
+        found = self.raw.get("reserve_gib")
+        if found is None:
+            return 0.0
+        if isinstance(found, bool) or not isinstance(found, int | float) or not 0 <= found < math.inf:
+            raise self._missing("reserve_gib", f"must be 0 or more GiB, got {found!r}")
+        return float(found)
 
     def positive(self, key: str) -> float:
         found = self.value(key)
