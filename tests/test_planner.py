@@ -361,6 +361,15 @@ def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
         (["--cluster", "NEGATIVE"], "negative.yaml: reserve_gib: must be 0 or more GiB, got -50"),
         (["--cluster", "HALF"], "half.yaml: nodes: must be a whole number, 1 or more, got 1.5"),
         (["--cluster", "LATIN"], "latin.yaml is not a readable YAML profile"),
+        (
+            ["--cluster", "8xh100_sxm", "--plot", "NOWHERE/p.png"],
+            "--plot: NOWHERE/p.png is in NOWHERE, which is",
+        ),
+        (["--cluster", "8xh100_sxm", "--plot", "."], "--plot: . is a directory"),
+        (
+            ["--cluster", "8xh100_sxm", "--emit", "slurm", "--emit-to", "/dev/full"],
+            "/dev/full is not a regular",
+        ),
         (["--cluster", "8xh100_sxm", "--tokens", "-5"], "--tokens: -5 is not an amount to train"),
         (["--cluster", "8xh100_sxm", "--tokens", "1e400"], "--tokens: inf is not an amount to train"),
         (["--cluster", "8xh100_sxm", "--epochs", "nan"], "--epochs: nan is not an amount to train"),
@@ -378,6 +387,9 @@ def test_a_sequence_fsdp_cannot_hold_fits_split_over_a_ring(tmp_path: Path):
         "negative reserve",
         "half a node",
         "latin-1 byte",
+        "plot into a missing directory",
+        "plot onto a directory",
+        "emit to a device",
         "negative tokens",
         "infinite tokens",
         "nan epochs",
@@ -433,6 +445,8 @@ def test_the_emitted_file_runs_the_recommended_plan_and_its_command_passes_prefl
     chosen = ("strategy=" + rest.split(";", 1)[0]).split()  # its overrides
     assert result.stdout.strip().endswith(f"wrote {out}: {label}, {kind}")
     text = out.read_text()
+    usage = {"torchrun": f"bash {out}", "slurm": f"sbatch {out}", "skypilot": f"sky launch {out}"}[kind]
+    assert usage in text  # the file it was written to, not the default name
     if kind == "skypilot":
         task = yaml.safe_load(text)
         assert task["resources"] == {"accelerators": "H100:8"} and task["num_nodes"] == 2

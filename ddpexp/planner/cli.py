@@ -103,6 +103,36 @@ def check_target(tokens: float | None, epochs: float | None) -> None:
             )
 
 
+def check_output(path: Path | None, flag: str) -> None:
+    """A file the plan will write, checked before the search (minutes) rather than after it: a regular
+    file, or none yet, in a directory that exists and takes a new file."""
+    import tempfile
+
+    if path is None:
+        return
+    folder = path.parent
+    why = (
+        "is a directory"
+        if path.is_dir()
+        else "is not a regular file"
+        if path.exists() and not path.is_file()
+        else f"is in {folder}, which is not a directory"
+        if not folder.is_dir()
+        else None
+    )
+    if why is None:
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as exc:
+            why = f"cannot be written in {folder}: {exc.strerror}"
+    if why is not None:
+        raise UserError(
+            f"{path} {why}",
+            setting=flag,
+            fix="give a file path in a directory you can write to (create the directory first)",
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     flags = [o for o in overrides if o.startswith("-")]
@@ -111,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return UserError.exit_code
     try:
         check_target(args.tokens, args.epochs)
+        check_output(args.plot, "--plot")
+        if args.emit:
+            check_output(args.emit_to or Path(emit.FILES[args.emit]), "--emit-to")
         cluster = load_cluster(args.cluster, nodes=args.nodes, price=args.price)
         if args.mfu is not None:
             if not 0 < args.mfu <= 1:

@@ -29,10 +29,10 @@ PORT = 29500
 
 
 def write(kind: str, path: Path | None, cluster: Cluster, args: list[str], hours: float, plan: str) -> Path:
-    text = {"torchrun": torchrun_script, "slurm": sbatch_script, "skypilot": skypilot_task}[kind](
-        cluster, args, hours, plan
-    )
     out = path or Path(FILES[kind])
+    text = {"torchrun": torchrun_script, "slurm": sbatch_script, "skypilot": skypilot_task}[kind](
+        cluster, args, hours, plan, file=shlex.quote(str(out))
+    )
     out.write_text(text)
     if kind != "skypilot":
         out.chmod(0o755)
@@ -54,11 +54,11 @@ def _torchrun(cluster: Cluster, args: list[str], *, nnodes: str, node_rank: str,
     return " \\\n    ".join([" ".join(line[:6]), " ".join(line[6:])])
 
 
-def torchrun_script(cluster: Cluster, args: list[str], hours: float, plan: str) -> str:
+def torchrun_script(cluster: Cluster, args: list[str], hours: float, plan: str, *, file: str) -> str:
     return f"""#!/usr/bin/env bash
 # ddpexp plan: {plan} on {cluster.devices} x {cluster.device} ({cluster.nodes} node(s)).
 # Run on every node, from the same directory on a shared filesystem:
-#   NODE_RANK=0..{cluster.nodes - 1} MASTER_ADDR=<node 0's address> bash {FILES["torchrun"]}
+#   NODE_RANK=0..{cluster.nodes - 1} MASTER_ADDR=<node 0's address> bash {file}
 set -euo pipefail
 : "${{NODE_RANK:?set NODE_RANK (0 on the first node)}}"
 : "${{MASTER_ADDR:?set MASTER_ADDR (the address of node 0)}}"
@@ -72,12 +72,12 @@ def _walltime(hours: float) -> str:
     return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
 
 
-def sbatch_script(cluster: Cluster, args: list[str], hours: float, plan: str) -> str:
+def sbatch_script(cluster: Cluster, args: list[str], hours: float, plan: str, *, file: str) -> str:
     run = _torchrun(cluster, args, nnodes="$SLURM_NNODES", node_rank="$SLURM_NODEID", addr="$MASTER_ADDR")
     quoted = shlex.quote(run)  # expanded on each node, where SLURM_NODEID is that node's
     return f"""#!/usr/bin/env bash
 # ddpexp plan: {plan} on {cluster.devices} x {cluster.device} ({cluster.nodes} node(s)).
-# Time: the predicted time and half again. Submit with: sbatch {FILES["slurm"]}
+# Time: the predicted time and half again. Submit with: sbatch {file}
 #SBATCH --job-name=ddpexp-plan
 #SBATCH --nodes={cluster.nodes}
 #SBATCH --ntasks-per-node=1
@@ -90,7 +90,7 @@ srun bash -c {quoted}
 """
 
 
-def skypilot_task(cluster: Cluster, args: list[str], hours: float, plan: str) -> str:
+def skypilot_task(cluster: Cluster, args: list[str], hours: float, plan: str, *, file: str) -> str:
     if not cluster.accelerator:
         raise UserError(
             f"{cluster.name} names no SkyPilot accelerator",
@@ -113,7 +113,7 @@ def skypilot_task(cluster: Cluster, args: list[str], hours: float, plan: str) ->
         "run": run + "\n",
     }
     head = f"# ddpexp plan: {plan} on {cluster.devices} x {cluster.device}.\n"
-    launch = f"# Launch with: sky launch {FILES['skypilot']}\n"
+    launch = f"# Launch with: sky launch {file}\n"
     return head + launch + yaml.dump(task, Dumper=_Blocks, sort_keys=False, width=1000)
 
 
