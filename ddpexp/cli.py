@@ -44,6 +44,16 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
 
         sys.exit(plan(argv[1:]))
     args, unknown = get_args_parser().parse_known_args(argv)
+    if unknown and not unknown[0].startswith("-"):  # an override after an option: argparse's order
+        overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+        options = [a for a in argv if a not in overrides]
+        print(
+            f"ddpexp: error: {unknown[0]} comes after an option, where the command line takes none "
+            f"(fix: put the options before the key=value overrides: python -m ddpexp "
+            f"{' '.join([*options, *overrides])})",
+            file=sys.stderr,
+        )
+        sys.exit(UserError.exit_code)
     if unknown:
         flag = unknown[0].split("=", 1)[0]
         key = flag.lstrip("-").replace("-", "_")

@@ -217,6 +217,14 @@ REFUSALS = [
         ["trainer.resume=/nonexistent/step-1.pt"],
         ["trainer.resume", "/nonexistent/step-1.pt", "does not exist"],
     ),
+    # An override after an option is left over by argparse: said so, with the order that works.
+    (
+        ["trainer.max_steps=3", "--config-dir", "mine", "model=mlp"],
+        [
+            "model=mlp comes after an option",
+            "python -m ddpexp --config-dir mine trainer.max_steps=3 model=mlp",
+        ],
+    ),
     # Non-finite settings, whatever their section (a nan threshold compares false with everything).
     (["trainer.clip_grad_norm=nan"], ["trainer.clip_grad_norm: must be a finite number, got nan"]),
     (["strategy=diloco", "strategy.outer_lr=inf"], ["strategy.outer_lr: must be a finite number, got inf"]),
