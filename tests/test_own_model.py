@@ -77,6 +77,19 @@ def test_the_docs_config_dir_example_trains(project: Path):
     assert weights["features.0.weight"].shape == (32, 1, 3, 3)  # model.width=32 reached Net
 
 
+def test_a_builder_of_ones_own_replaces_a_transformer_option(tmp_path: Path):
+    """model=gpt_tiny model._target_=...: the transformer option's settings are dropped, the null ones
+    (n_kv_head, ffn_dim, vocab_size...) too, which Hydra cannot delete as they are."""
+    args = ["model=gpt_tiny", "model._target_=tests.user_models.small_gpt", "data=python_stdlib", "task=lm"]
+    result = run_here(tmp_path, *args, "trainer.max_steps=2", "trainer.progress=false", "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    m = metrics(tmp_path / "run")
+    assert m["final"]["step"] == 2 and m["facts"]["model"] == "tests.user_models.small_gpt"
+    assert (
+        torch.load(tmp_path / "run" / "model.pt", weights_only=True)["tok_embeddings.weight"].shape[1] == 32
+    )
+
+
 def test_a_torchvision_model_builder_trains(tmp_path: Path):
     """torchvision.models.resnet18(*, weights=None, progress=True, **kwargs) gets num_classes only."""
     result = run_here(

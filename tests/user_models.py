@@ -104,3 +104,11 @@ class Tower(nn.Module):
 
 def tower(*, num_classes: int, input_shape: list[int], width: int = 64, depth: int = 6) -> nn.Module:
     return Tower(num_classes=num_classes, input_shape=input_shape, width=width, depth=depth)
+
+
+def small_gpt(*, input_shape: list[int], vocab_size: int) -> nn.Module:
+    """A builder of one's own for a language model: takes only what the data gives, so every setting of
+    the transformer option it replaces (some of them null) must be dropped."""
+    from ddpexp.models.gpt import gpt
+
+    return gpt(input_shape=input_shape, vocab_size=vocab_size, n_layer=1, n_head=2, dim=32)

@@ -187,9 +187,12 @@ def _replaced_in(job: list[str], compose: Any) -> list[str]:
         if option.get("_target_") == target:
             continue
         given = {composition.override_key(o) for o in job}
-        drops += [
-            f"~{section}.{k}" for k in option if k not in (*own, "_target_") and f"{section}.{k}" not in given
-        ]
+        for k in option:
+            if k in (*own, "_target_") or f"{section}.{k}" in given:
+                continue
+            # Hydra cannot delete a key whose value is null ("does not exist"): give it one first.
+            drops += [f"{section}.{k}=0"] if option[k] is None else []
+            drops.append(f"~{section}.{k}")
     return drops
 
 
