@@ -225,6 +225,10 @@ REFUSALS = [
             "python -m ddpexp --config-dir mine trainer.max_steps=3 model=mlp",
         ],
     ),
+    # Builders that make nothing to train, caught before a run directory is made.
+    (["model._target_=builtins.dict"], ["model._target_: builtins.dict built a dict, not a torch.nn.Module"]),
+    (["model._target_=torch.nn.Identity"], ["model._target_", "without trainable parameters"]),
+    (["model._target_=null"], ["model._target_: names no builder"]),
     # Non-finite settings, whatever their section (a nan threshold compares false with everything).
     (["trainer.clip_grad_norm=nan"], ["trainer.clip_grad_norm: must be a finite number, got nan"]),
     (["strategy=diloco", "strategy.outer_lr=inf"], ["strategy.outer_lr: must be a finite number, got inf"]),

@@ -350,14 +350,29 @@ def check_model(model_cfg: DictConfig, info: Any, cfg: DictConfig) -> Any:
     from .. import activation_checkpointing, float8, models, strategies
     from ..config import Precision
 
+    target = OmegaConf.select(model_cfg, "_target_")
+    builder = "name a function or class that returns a torch.nn.Module (docs/own-model.md), or a model=OPTION"
+    if not target:
+        raise UserError("names no builder", setting="model._target_", fix=builder)
     try:
         with torch.device("meta"):
             model = models.build(model_cfg, info)
     except UserError:
         raise
     except Exception as exc:
-        target = OmegaConf.select(model_cfg, "_target_")
         raise UserError(_cause(exc), setting="model", fix=f"check the arguments of {target}") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(
+            f"{target} built a {type(model).__name__}, not a torch.nn.Module",
+            setting="model._target_",
+            fix=builder,
+        )
+    if cfg.trainer.mode.value == "train" and not any(p.requires_grad for p in model.parameters()):
+        raise UserError(
+            f"{target} built a {type(model).__name__} without trainable parameters: nothing to train",
+            setting="model._target_",
+            fix=builder,
+        )
     strategies.resolve(cfg.strategy).check_model(model)
     activation_checkpointing.check(model, cfg.trainer.activation_checkpointing)
     if Precision.of(cfg.trainer.precision) == Precision.fp8:
