@@ -167,8 +167,11 @@ def _finite(value: Any, found: set[str], key: str) -> Any:
 
 def finish_metrics(run_dir: Path, status: str, error: str, *, facts: dict[str, Any]) -> None:
     """Make metrics.json say how the run ended, even if rank 0 could not write it itself (the
-    launcher calls this after stopping the workers)."""
+    launcher calls this after stopping the workers). A run rank 0 recorded as completed stays so: its
+    work is done, whatever stopped its processes afterwards (a signal the moment model.pt appeared)."""
     record = read_run_record_or_none(run_dir)
+    if record is not None and record.status == "completed":
+        return
     metrics = (record.raw if record is not None else {}) or new_metrics(facts)
     metrics["status"] = status
     metrics["error"] = error
@@ -236,6 +239,7 @@ class Recorder(NullRecorder):
         from torch.utils.tensorboard import SummaryWriter  # heavy: only rank 0 of a run pays for it
 
         self.run_dir = run_dir
+        self.model_saved = False
         # Resuming: TensorBoard drops what earlier attempts logged after the checkpoint's step (every
         # point up to that step was written before the checkpoint was, so it stays).
         purge = None if resume_step is None else resume_step + 1
@@ -335,6 +339,7 @@ class Recorder(NullRecorder):
         buf = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in state.items()}, buf)
         atomic_write_bytes(self.run_dir / MODEL_FILE, buf.getvalue())
+        self.model_saved = True  # the run's work is done: a stop from here on does not undo it
 
     def flush(self) -> None:
         """Everything logged so far onto disk (before a checkpoint: a run resumed from it keeps every
@@ -343,6 +348,8 @@ class Recorder(NullRecorder):
         self.writer.flush()
 
     def close(self, status: str, error: str | None = None) -> None:
+        if status == "interrupted" and self.model_saved:
+            status, error = "completed", None  # stopped after model.pt was written: nothing was cut short
         owner = self.metrics["owner"]
         if status == "failed" and owner_gone(owner):
             # The run's launcher was killed outright and this rank failed of it (its peers were

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, metrics, run_ddpexp, run_here, scalars
+from .conftest import QUICK, REPO, metrics, run_ddpexp, run_here, scalars
 from .fault_harness import (
     LONG,
     Watched,
@@ -256,6 +256,27 @@ def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, strategy: s
     assert sig.name in m["error"], m["error"]
     assert scalars(tmp_path / "run")["eval/acc"][0][0] == m["history"][0]["step"]
     assert last_checkpoint_step(tmp_path / "run") >= 5
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_after_the_model_is_saved_leaves_the_run_completed(tmp_path: Path, sig: signal.Signals):
+    """A signal to the launcher the moment model.pt appears (its work done, its processes ending) does
+    not turn a finished run into an interrupted one: metrics.json says completed, with its final
+    metrics, and a resume says there is nothing left to do and leaves it so."""
+    args = ["strategy=ddp", *QUICK, "trainer.max_steps=6", "hydra.run.dir=run"]
+    run = Watched(tmp_path, args)
+    deadline = time.time() + 120
+    while not (tmp_path / "run" / "model.pt").exists():  # the event: the run's last write but its record
+        assert run.proc.poll() is None and time.time() < deadline, "model.pt never appeared"
+        time.sleep(0.01)
+    run.proc.send_signal(sig)
+    run.finish(timeout=60)
+    run.assert_nothing_left()
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "completed" and m["final"]["step"] == 6, (m["status"], m.get("error"))
+    again = run_ddpexp(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0 and "already complete" in again.stdout, again
+    assert metrics(tmp_path / "run")["status"] == "completed"
 
 
 def test_a_killed_launcher_takes_its_workers_with_it_and_its_run_reads_crashed(tmp_path: Path):
