@@ -438,3 +438,22 @@ def test_sigterm_stops_a_sweep_whose_output_is_gone(tmp_path: Path):
     statuses = sorted(metrics(d)["status"] for d in run_dirs(tmp_path / "sweep"))
     assert statuses.count("interrupted") == 1 and statuses.count("running") == 0, statuses
     assert len(statuses) <= 4, f"the sweep went on after SIGTERM: {len(statuses)} jobs"
+
+
+def test_a_run_that_failed_after_its_last_checkpoint_is_finished_by_a_resume(tmp_path: Path, monkeypatch):
+    """max_steps 10, checkpoints every 5, a failure after step 10's checkpoint (before the final
+    evaluation and model.pt): `failed`, with nothing left to train but its work undone. A resume does
+    what is left (the final evaluation, model.pt, completed) instead of saying it is complete."""
+    args = [*QUICK, "trainer.max_steps=10", "checkpoint.every_steps=5", "hydra.run.dir=run"]
+    monkeypatch.setenv("DDPEXP_FAULT", "rank0:step10:raise")
+    first = run_here(tmp_path, *args)
+    assert first.returncode != 0 and metrics(tmp_path / "run")["status"] == "failed", first
+    assert not (tmp_path / "run" / "model.pt").exists()
+    monkeypatch.delenv("DDPEXP_FAULT")
+    again = run_here(tmp_path, *args, "trainer.resume=auto")
+    assert again.returncode == 0 and "already complete" not in again.stdout, again
+    m = metrics(tmp_path / "run")
+    assert m["status"] == "completed" and m["final"]["step"] == 10 and "eval/acc" in m["final"]
+    assert (tmp_path / "run" / "model.pt").exists()
+    done = run_here(tmp_path, *args, "trainer.resume=auto")  # now there is nothing left to do
+    assert done.returncode == 0 and "already complete" in done.stdout, done

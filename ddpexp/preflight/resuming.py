@@ -39,12 +39,22 @@ def check_auto_resume(run_dir: Path, model: Any, cfg: DictConfig, global_batch: 
         return
     finished_epochs = int(state.get("epoch", 0)) >= t.epochs
     finished_steps = t.max_steps is not None and int(state.get("step", 0)) >= t.max_steps
-    if finished_epochs or finished_steps:
+    if (finished_epochs or finished_steps) and _completed(run_dir):
         raise NothingToDo(
             f"{run_dir} is already complete (step {state.get('step')}, epoch {state.get('epoch')} of "
             f"{t.epochs}); nothing to resume. Raise trainer.epochs or trainer.max_steps to train further"
         )
     check_optimizer_state(path, state, cfg)
+
+
+def _completed(run_dir: Path) -> bool:
+    """Whether the run finished its work: its record says completed (final evaluation and model.pt
+    written). A run that trained its last step and failed after it (in its final evaluation, saving
+    model.pt) is resumed to do what is left."""
+    from ..runrecord import read_run_record_or_none
+
+    record = read_run_record_or_none(run_dir)
+    return record is None or record.status == "completed"
 
 
 def check_optimizer_state(path: Path, state: dict[str, Any], cfg: DictConfig) -> None:
