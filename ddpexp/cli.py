@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
     if torchrun.rank() is not None:  # before the store's threads start: they would inherit no mask
         from .launch import senders
 
-        senders.watch((signal.SIGTERM,))  # the agent's SIGTERM to every rank from one sent to one rank
+        # The agent's SIGTERM or SIGINT to every rank, told from one sent to one rank.
+        senders.watch((signal.SIGTERM, signal.SIGINT))
     if torchrun.is_follower():
         sys.exit(torchrun.follow())
     if not _is_plain_run(args):  # --cfg, --info, --shell-completion...: Hydra's own business

@@ -351,15 +351,17 @@ def test_under_torchrun_a_rank_signalled_from_outside_is_what_metrics_json_blame
     assert f"ddpexp: {m['error'].replace('rank 1:', 'rank 1 of 2', 1)}" in err, err
 
 
-def test_sigterm_to_torchrun_records_the_run_as_interrupted(tmp_path: Path):
-    """What Slurm sends on preemption or time-out: the workers stop and metrics.json says so."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_to_torchrun_records_the_run_as_interrupted(tmp_path: Path, sig: signal.Signals):
+    """What Slurm sends on preemption or time-out (SIGTERM), or Ctrl-C and `timeout -s INT` (SIGINT),
+    to torchrun's agent: the workers stop and metrics.json says interrupted, not a rank's exit code."""
     run = Watched(tmp_path, ["strategy=ddp", *LONG], torchrun=True)
     run.wait_until_training()
-    run.proc.send_signal(signal.SIGTERM)
+    run.proc.send_signal(sig)
     run.finish(timeout=60)
     run.assert_nothing_left()
     m = metrics(tmp_path / "run")
-    assert m["status"] == "interrupted" and m["history"], m["status"]
+    assert m["status"] == "interrupted" and m["history"], (m["status"], m.get("error"))
 
 
 def pending_sigterm(pid: int) -> bool:

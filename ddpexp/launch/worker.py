@@ -96,6 +96,9 @@ def run_guarded(fn: Callable[[], object], ctx: RunContext, *, record_stops: bool
             _write_error(ctx, exc, user_error=False, code=exc.code, sent_by=sent_by)
         return exc.code
     except KeyboardInterrupt:
+        if record_stops:  # SIGINT, from torchrun's agent (Ctrl-C, `timeout -s INT`) or from outside
+            stop = Interrupted(128 + signal.SIGINT)
+            _write_error(ctx, stop, user_error=False, code=stop.code, sent_by=senders.sender(signal.SIGINT))
         return 130
     except UserError as exc:
         _write_error(ctx, exc, user_error=True, code=UserError.exit_code)
