@@ -141,6 +141,33 @@ def test_a_rank_that_exits_without_a_record_is_the_cause_not_the_peer_that_recor
     assert (cause.who, cause.summary) == ("rank 1", "failed: exited with code 3")
 
 
+def test_a_rank_s_own_error_beats_a_peer_s_lost_connection_recorded_before_it(tmp_path: Path):
+    """Rank 0 runs out of disk writing a dp 2 x tp 2 checkpoint; its peers' collectives see the
+    connection close some 30 ms before rank 0 records its OSError. Every rank exited 1 with a record:
+    the earliest was rank 1's "Connection closed by peer". Rank 0's own failure is the cause."""
+    from ddpexp.launch.supervise import error_file
+
+    workers = [
+        Worker(rank=r, proc=_Exited(2**22 + r, 1), log_path=tmp_path / f"rank{r}.log", exit_time=10.1)
+        for r in range(4)
+    ]
+    error_file(tmp_path, 0).parent.mkdir()
+    closed = "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41231"
+    full = "[Errno 28] No space left on device"
+    for rank, t, kind, message in [
+        (1, 10.010, "DistBackendError", closed),
+        (3, 10.012, "DistBackendError", closed),
+        (2, 10.015, "DistBackendError", closed),
+        (0, 10.040, "OSError", full),
+    ]:
+        record = {"rank": rank, "time": t, "type": kind, "message": message, "user_error": False}
+        error_file(tmp_path, rank).write_text(json.dumps({**record, "traceback": ""}))
+    sup = Supervisor(tmp_path, workers, facts={})
+    sup.stopping_since = 10.2
+    cause = sup._root_cause()
+    assert (cause.who, cause.summary) == ("rank 0", f"failed: OSError: {full}")
+
+
 def test_a_second_sigterm_inside_the_first_s_handler_cannot_give_ranks_different_stop_steps(capsys):
     """Slurm signals every process and the workers pass theirs on, so SIGTERMs reach the launcher in a
     burst, and Python may run the handler again inside itself. Each run of it picked its own stop step

@@ -157,6 +157,25 @@ def read_error(run_dir: Path, rank: int) -> dict[str, Any] | None:
     return record
 
 
+# What a rank's collective says when a peer went away: an echo of another rank's failure, never a
+# cause while a record of a rank's own failure exists (gloo's and NCCL's words).
+LOST_PEER = (
+    "closed by peer",
+    "reset by peer",
+    "Broken pipe",
+    "communicator was aborted",
+    "remote process exited",
+)
+
+
+def first_cause(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error record that explains a failure: the earliest of the ranks' own failures, a lost peer
+    only where no rank recorded one (the peers of a rank that fails while writing, say a full disk,
+    see their connection close moments before it records why)."""
+    own = [r for r in records if not any(words in r["message"] for words in LOST_PEER)]
+    return min(own or records, key=lambda r: r["time"])
+
+
 def error_summary(record: dict[str, Any]) -> str:
     """How an error record reads after "rank N": a user error's own line, else `failed: Type: message`."""
     return record["message"] if record["user_error"] else f"failed: {record['type']}: {record['message']}"
@@ -460,7 +479,7 @@ class Supervisor:
                 summary = f"failed: exited with code {code}"
             return Cause(f"rank {w.rank}", summary, tail(w.log_path, start=w.log_from))
         if records:
-            r = min(records.values(), key=lambda r: r["time"])
+            r = first_cause(list(records.values()))
             return Cause(
                 f"rank {r['rank']}",
                 error_summary(r),
