@@ -190,8 +190,8 @@ def _replaced_in(job: list[str], compose: Any) -> list[str]:
         for k in option:
             if k in (*own, "_target_") or f"{section}.{k}" in given:
                 continue
-            # Hydra cannot delete a key whose value is null ("does not exist"): give it one first.
-            drops += [f"{section}.{k}=0"] if option[k] is None else []
+            if option[k] is None:  # Hydra cannot delete a null key ("does not exist"): give it a value
+                drops.append(f"{section}.{k}=0")
             drops.append(f"~{section}.{k}")
     return drops
 

@@ -333,6 +333,11 @@ class Workload:
     fp8_all_gather: bool = False  # trainer.fp8_all_gather: FSDP gathers the float8 layers' weights in float8
 
     @property
+    def gathers_float8(self) -> bool:
+        """Whether FSDP gathers the float8 layers' weights in float8 (fp8_all_gather under fp8)."""
+        return self.fp8_all_gather and self.precision == "fp8"
+
+    @property
     def procs_per_node(self) -> int:
         return max(self.world // max(self.nodes, 1), 1)
 

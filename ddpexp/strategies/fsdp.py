@@ -258,8 +258,9 @@ class Fsdp(Strategy[FsdpConfig]):
             )
         if world < 2:
             return out
+        own = gathered_sizes(job)
         out += sharded_traffic(
-            unit_shards(units, world, element_size=gather, own=gathered_sizes(job)),
+            unit_shards(units, world, element_size=gather, own=own),
             world,
             gathers=job.accumulate,
             reduces=1,
@@ -268,7 +269,9 @@ class Fsdp(Strategy[FsdpConfig]):
             reduced=unit_shards(units, world, element_size=reduce),
             per_node=min(world, job.procs_per_node),
         )
-        out += float8_scale_traffic(job, [(world, job.spans_nodes(world), min(world, job.procs_per_node))])
+        out += float8_scale_traffic(
+            len(own), [(world, job.spans_nodes(world), min(world, job.procs_per_node))]
+        )
         return out + (syncbn.communication(job.model, job) if self.settings.sync_bn else [])
 
     # ------------------------------------------------------------------------- checkpoints
@@ -371,18 +374,18 @@ def unit_shards(
 def gathered_sizes(job: Workload) -> dict[int, int]:
     """The parameters FSDP gathers in a dtype of their own, by id, with its bytes an element: under
     trainer.fp8_all_gather the float8 layers' weights, cast to float8 (1 byte) before the gather."""
-    if not job.fp8_all_gather or job.precision != "fp8":
+    if not job.gathers_float8:
         return {}
     from .. import float8
 
     return dict.fromkeys(map(id, float8.weights(job.model)), 1)
 
 
-def float8_scale_traffic(job: Workload, groups: list[tuple[int, bool, int]]) -> list[Collective]:
-    """Under trainer.fp8_all_gather, after each optimizer step: the absolute maxima of the weights FSDP
-    gathers in float8, one float each, all-reduced over each group (ranks, across nodes, ranks a node)
-    the weights are sharded over (float8.keep_weight_scales), as its meter counts them."""
-    count = len(gathered_sizes(job))
+def float8_scale_traffic(count: int, groups: list[tuple[int, bool, int]]) -> list[Collective]:
+    """Under trainer.fp8_all_gather, after each optimizer step: the absolute maxima of the `count`
+    weights FSDP gathers in float8 (gathered_sizes), one float each, all-reduced over each group
+    (ranks, across nodes, ranks a node) the weights are sharded over (float8.keep_weight_scales), as
+    its meter counts them."""
     return [
         Collective(
             "float8 weights' scales all-reduce (fp8_all_gather)",

@@ -514,7 +514,7 @@ class Nd(Strategy[NdConfig]):
                 param_dtype=mixed.param,
                 autocast_dtype=autocast,
                 float8=frozenset(float8.eligible(job.model)) if job.precision == "fp8" else frozenset(),
-                float8_weights_gathered=bool(gathered_sizes(job)) and degrees.shard > 1,
+                float8_weights_gathered=job.gathers_float8 and degrees.shard > 1,
             )
         if degrees.cp > 1:
             out += context_parallel.communication(
@@ -565,9 +565,8 @@ class Nd(Strategy[NdConfig]):
         replica_spans = job.spans_nodes(degrees.tp * degrees.fsdp)
         gather, reduce = self.precisions(degrees, job.precision).element_sizes()
         units = unit_params(job.model)
-        shards = unit_shards(
-            units, degrees.shard, element_size=gather, shapes=shapes, own=gathered_sizes(job)
-        )
+        own = gathered_sizes(job)
+        shards = unit_shards(units, degrees.shard, element_size=gather, shapes=shapes, own=own)
         grads = unit_shards(units, degrees.shard, element_size=reduce, shapes=shapes)
         out = sharded_traffic(
             shards,
@@ -581,7 +580,7 @@ class Nd(Strategy[NdConfig]):
         )
         # The float8 weights are sharded over dp_shard x cp and, split by tensor parallelism, over tp.
         out += float8_scale_traffic(
-            job,
+            len(own),
             [
                 (degrees.shard, shard_spans, max(1, job.procs_per_node // degrees.tp)),
                 (degrees.tp, job.spans_nodes(degrees.tp), min(degrees.tp, job.procs_per_node)),
