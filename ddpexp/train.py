@@ -34,6 +34,7 @@ from .engine import Engine, LoopSettings
 from .facts import run_facts
 from .job import Job
 from .launch.supervise import signals_ignored
+from .models.moe import balance_over, routing_layers
 from .recorder import Best, NullRecorder, Recorder
 from .validate import check_split_sizes
 
@@ -52,6 +53,7 @@ def run(job: Job, ctx: RunContext) -> dict[str, float]:
     model = build_model(job, splits)
     peak = flops.peak_flops(trainer.peak_flops, ctx.device, settings.precision)
     settings = with_throughput(settings, splits, model, peak[0])
+    settings = with_routing(settings, model, job)
     if settings.precision == Precision.fp8:
         float8.convert(
             model, recipe=str(trainer.fp8_recipe), all_gather=trainer.fp8_all_gather, device=ctx.device
@@ -176,6 +178,16 @@ def with_throughput(
         flops_per_token=flops.model_flops_per_token(model, tokens),
         peak_flops=peak,
     )
+
+
+def with_routing(settings: LoopSettings, model: torch.nn.Module, job: Job) -> LoopSettings:
+    """A mixture of experts: its load-balancing loss is scaled by the sequences one rank's optimizer
+    step holds, and the loop reports its routing (the whole model's MoE layers, before any split)."""
+    layers = routing_layers(model)
+    if not layers:
+        return settings
+    balance_over(model, job.plan.global_batch // job.plan.data_parallel)
+    return dataclasses.replace(settings, routing=(len(layers), layers[0].cfg.experts + 3))
 
 
 def make_loader(job: Job, ctx: RunContext, splits: Splits, mode: str, *, train: bool) -> loaders.Loader:

@@ -247,6 +247,7 @@ class Engine:
             "perf/epoch_time_s": elapsed,
             "perf/step_time_s": elapsed / max(steps, 1),
         }
+        values |= epoch_metrics.routing(self.model.base, self.settings.routing, self.device)
         return values | epoch_metrics.costs(
             self.model, self.device, self.peak, self._resident, wait=wait, elapsed=elapsed, steps=steps
         )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import distributed
+from ..models.moe import routing_layers, routing_summary
 from ..strategies.comm import KINDS
 
 if TYPE_CHECKING:
@@ -30,6 +31,17 @@ def throughput(s: LoopSettings, samples_per_s: float) -> dict[str, float]:
     if s.flops_per_token is not None and s.peak_flops:
         out["perf/mfu"] = s.flops_per_token * tokens_per_s / (s.peak_flops * s.devices)
     return out
+
+
+def routing(base: torch.nn.Module, shape: tuple[int, int], device: torch.device) -> dict[str, float]:
+    """The epoch's routing metrics of a mixture of experts (models/moe.py), over every rank: each rank
+    fills the rows of the MoE layers it holds. A collective where the model routes: every rank calls it."""
+    if not shape[0]:
+        return {}
+    rows = torch.zeros(shape, dtype=torch.float64, device=device)
+    for layer in routing_layers(base):
+        rows[layer.index] += layer.counts.take(device)
+    return routing_summary(distributed.all_reduce_sum(rows).cpu())
 
 
 def costs(

@@ -36,6 +36,9 @@ class LoopSettings:
     tokens_per_sample: int | None = None
     flops_per_token: float | None = None
     peak_flops: float | None = None  # of one device
+    # A mixture of experts' routing counts, (MoE layers, experts + 3) per epoch (models/moe.py); (0, 0):
+    # none. The whole model's, so a pipeline stage without MoE layers still joins the reduction.
+    routing: tuple[int, int] = (0, 0)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: Plan) -> LoopSettings:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError, require_positive
+from .moe import GroupedExperts, MoE, MoEConfig, moe_config
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -58,10 +59,9 @@ class GPTConfig:
     norm_eps: float
     rope_theta: float
     init_std: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_head
+    head_dim: int
+    qk_norm: bool = False
+    moe: MoEConfig | None = None
 
 
 class Positions:
@@ -90,12 +90,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=cfg.bias)
         self.rope_theta = cfg.rope_theta if cfg.pos_embedding == "rope" else None
         self.grouped = cfg.n_kv_head != cfg.n_head
+        # Qwen3's: each head's queries and keys RMS-normalised over head_dim before the rotation.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.wq(x).view(batch, length, -1, self.head_dim)
         k = self.wk(x).view(batch, length, -1, self.head_dim)
         v = self.wv(x).view(batch, length, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             cos, sin = rope_angles(
                 self.positions.of(length, x.device), self.head_dim, self.rope_theta, x.device
@@ -132,11 +137,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class FeedForward(nn.Module):
     """GELU: w2(gelu(w1 x)). SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        hidden = cfg.ffn_dim if hidden is None else hidden
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
@@ -151,12 +157,27 @@ def _norm(cfg: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, positions: Positions | None = None) -> None:
+    """`feed_forward` is a FeedForward, or a MoE in the layers model.moe routes (`moe_index`: its
+    place among them)."""
+
+    def __init__(
+        self, cfg: GPTConfig, positions: Positions | None = None, moe_index: int | None = None
+    ) -> None:
         super().__init__()
         self.attention_norm = _norm(cfg)
         self.attention = Attention(cfg, Positions() if positions is None else positions)
         self.ffn_norm = _norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module
+        if cfg.moe is not None and moe_index is not None:
+            self.feed_forward = MoE(
+                cfg.dim,
+                cfg.moe,
+                swiglu=cfg.mlp == "swiglu",
+                dense=lambda hidden: FeedForward(cfg, hidden),
+                index=moe_index,
+            )
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -201,7 +222,10 @@ class GPT(nn.Module):
         learned = cfg.pos_embedding == "learned"
         self.pos_embeddings = nn.Embedding(cfg.block_size, cfg.dim) if learned else None
         self._positions = Positions()
-        self.blocks = nn.ModuleList(Block(cfg, self._positions) for _ in range(cfg.n_layer))
+        routed = [i for i in range(cfg.n_layer) if cfg.moe is not None and cfg.moe.routed(i)]
+        self.blocks = nn.ModuleList(
+            Block(cfg, self._positions, routed.index(i) if i in routed else None) for i in range(cfg.n_layer)
+        )
         self.norm = _norm(cfg)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -216,15 +240,26 @@ class GPT(nn.Module):
         """GPT-2's: N(0, init_std) for every matrix and embedding, zero biases, and the two projections
         that add to the residual stream in each block scaled by 1/sqrt(2 n_layer)."""
         std = self.config.init_std
+        residual = std / math.sqrt(2 * self.config.n_layer)
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, GroupedExperts):
+                for name, weight in module.named_parameters():
+                    nn.init.normal_(weight, mean=0.0, std=residual if name == "w2" else std)
         for block in self.blocks:
             assert isinstance(block, Block)
-            for projection in (block.attention.wo, block.feed_forward.w2):
-                nn.init.normal_(projection.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+            projections: list[nn.Module] = [block.attention.wo]
+            ffn = block.feed_forward
+            if isinstance(ffn, FeedForward):
+                projections.append(ffn.w2)
+            elif isinstance(ffn, MoE) and isinstance(ffn.shared, FeedForward):
+                projections.append(ffn.shared.w2)
+            for projection in projections:
+                assert isinstance(projection, nn.Linear)
+                nn.init.normal_(projection.weight, mean=0.0, std=residual)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         embed, head = self._ends
@@ -318,6 +353,18 @@ class GPT(nn.Module):
 
     def _check_tp(self, tp: int, sequence_parallel: bool) -> None:
         cfg = self.config
+        for setting, on, what in (
+            ("model.moe", cfg.moe is not None, "mixture-of-experts layers"),
+            ("model.qk_norm", cfg.qk_norm, "per-head query/key norms"),
+        ):
+            if on:
+                raise UserError(
+                    f"tensor parallelism has no plan for {what} yet",
+                    setting=setting,
+                    fix="use strategy.tp=1 with this model (dp_shard, pp and strategy.ep spread it)"
+                    if cfg.moe is not None
+                    else "use strategy.tp=1 with this model, or model.qk_norm=false",
+                )
         sizes = [
             ("model.n_head", cfg.n_head, "heads"),
             ("model.n_kv_head", cfg.n_kv_head, "key/value heads"),
@@ -348,14 +395,23 @@ class GPT(nn.Module):
         head = self.output.weight.numel() if self.config.tie_embeddings else 0
         return total - tables + head
 
+    def active_params(self, non_embedding: bool = False) -> int:
+        """num_params as one token sees them: a MoE layer's experts counted for the top_k a token goes
+        to (with the router and shared experts), not all of them. A dense model: num_params."""
+        idle = sum(m.num_params() - m.active_params() for m in self.modules() if isinstance(m, MoE))
+        return self.num_params(non_embedding) - idle
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward and backward) per token at context length seq_len: 6 N + 12 n_layer
-        dim seq_len, the estimate of the PaLM paper's appendix B that nanoGPT's estimate_mfu and
-        torchtitan use. N = num_params(non_embedding=True): 2 FLOPs per parameter and token forward, 4
-        backward. The second term is attention's two matmuls (scores Q K^T and their product with V),
-        counted over the whole seq_len x seq_len square (no saving for the causal mask)."""
+        heads head_dim seq_len, the estimate of the PaLM paper's appendix B that nanoGPT's estimate_mfu
+        and torchtitan use. N = active_params(non_embedding=True): 2 FLOPs per parameter and token
+        forward, 4 backward, counting a MoE layer's experts a token reaches only (as torchtitan counts
+        MoE FLOPs), so MFU is honest for MoE. The second term is attention's two matmuls (scores Q K^T
+        and their product with V), counted over the whole seq_len x seq_len square (no saving for the
+        causal mask)."""
         cfg = self.config
-        return 6.0 * self.num_params(non_embedding=True) + 12.0 * cfg.n_layer * cfg.dim * seq_len
+        width = cfg.n_head * cfg.head_dim
+        return 6.0 * self.active_params(non_embedding=True) + 12.0 * cfg.n_layer * width * seq_len
 
     def adapt_state_dict(
         self, weights: Mapping[str, torch.Tensor], *, strict: bool
@@ -471,11 +527,16 @@ def gpt(
     norm_eps: float = 1e-5,
     rope_theta: float = 10000.0,
     init_std: float = 0.02,
+    head_dim: int | None = None,
+    qk_norm: bool = False,
+    moe: dict[str, Any] | None = None,
 ) -> GPT:
     """The model for `vocab_size` (the data's, or a larger one set in model.vocab_size) and samples of
     input_shape = (L,) token ids. n_kv_head null: n_head. ffn_dim null: 4 dim (gelu), or Llama's 8/3
     dim rounded up to a multiple of 256 (swiglu). block_size null: the data's L. Every setting is
-    checked here, so pre-flight's build on the meta device refuses a bad one before anything starts."""
+    checked here, so pre-flight's build on the meta device refuses a bad one before anything starts.
+    head_dim null: dim / n_head (Qwen3 sets it apart). moe null: a dense model; else model.moe's
+    settings (moe.py)."""
     _check_names(norm=norm, pos_embedding=pos_embedding, mlp=mlp)
     if len(input_shape) != 1:
         raise UserError(
@@ -487,8 +548,10 @@ def gpt(
     block_size = length if block_size is None else block_size
     n_kv_head = n_head if n_kv_head is None else n_kv_head
     sizes = dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, dim=dim, block_size=block_size)
-    require_positive({f"model.{k}": v for k, v in sizes.items()}, {"model.ffn_dim": ffn_dim})
-    _check_heads(dim=dim, n_head=n_head, n_kv_head=n_kv_head, rope=pos_embedding == "rope")
+    require_positive(
+        {f"model.{k}": v for k, v in sizes.items()}, {"model.ffn_dim": ffn_dim, "model.head_dim": head_dim}
+    )
+    _check_heads(dim=dim, n_head=n_head, n_kv_head=n_kv_head, rope=pos_embedding == "rope", head_dim=head_dim)
     if length > block_size:
         raise UserError(
             f"the data's samples are {length} tokens, longer than the model's context of {block_size}",
@@ -498,6 +561,7 @@ def gpt(
         )
     if ffn_dim is None:
         ffn_dim = 4 * dim if mlp == "gelu" else 256 * math.ceil(8 * dim / 3 / 256)
+    routing = moe_config(moe, n_layer=n_layer, mlp_hidden=ffn_dim)
     cfg = GPTConfig(
         vocab_size=vocab_size,
         n_layer=n_layer,
@@ -514,6 +578,9 @@ def gpt(
         norm_eps=norm_eps,
         rope_theta=rope_theta,
         init_std=init_std,
+        head_dim=dim // n_head if head_dim is None else head_dim,
+        qk_norm=qk_norm,
+        moe=routing,
     )
     return GPT(cfg)
 
@@ -528,8 +595,8 @@ def _check_names(**chosen: str) -> None:
             )
 
 
-def _check_heads(*, dim: int, n_head: int, n_kv_head: int, rope: bool) -> None:
-    if dim % n_head:
+def _check_heads(*, dim: int, n_head: int, n_kv_head: int, rope: bool, head_dim: int | None) -> None:
+    if head_dim is None and dim % n_head:
         raise UserError(
             f"{n_head} heads do not divide dim {dim}",
             setting="model.n_head",
@@ -541,7 +608,13 @@ def _check_heads(*, dim: int, n_head: int, n_kv_head: int, rope: bool) -> None:
             setting="model.n_kv_head",
             fix=f"use a divisor of {n_head}: {_nearest(_divisors(n_head), n_kv_head)}",
         )
-    if rope and (dim // n_head) % 2:
+    if rope and head_dim is not None and head_dim % 2:
+        raise UserError(
+            f"rotary embeddings rotate channel pairs, but model.head_dim={head_dim} is odd",
+            setting="model.head_dim",
+            fix=f"use an even head_dim: {head_dim + 1}, or null: dim / n_head",
+        )
+    if rope and head_dim is None and (dim // n_head) % 2:
         even = [h for h in _divisors(dim) if (dim // h) % 2 == 0]
         raise UserError(
             f"rotary embeddings rotate channel pairs, but the head size dim/n_head = {dim // n_head} is odd",

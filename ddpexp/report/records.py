@@ -76,6 +76,10 @@ def _record(group: Group, row: Row, target: float) -> dict[str, Any]:
         "comm_share": row.median(lambda r: r.mean("comm/share")),
         "comm_bytes_per_step": final("comm/bytes_per_step"),
         "bytes_moved": row.median(Run.bytes_moved),
+        # a mixture of experts' routing (models/moe.py)
+        "expert_load_max_over_mean": final("moe/load_max_over_mean"),
+        "expert_dropped_frac": final("moe/dropped_frac"),
+        "moe_aux_loss": final("moe/aux_loss"),
         # the strategy's own scalars (its report_columns), by name: bubble_frac, staleness_max...
         **{
             tag.rpartition("/")[2]: final(tag)

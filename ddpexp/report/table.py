@@ -47,6 +47,9 @@ COLUMNS = (
 
 # Groups whose data has tokens (facts.tokens_per_sample) get these after "per device".
 TOKEN_COLUMNS = ("tokens/s", "MFU")
+# Groups with a mixture of experts get this after them: the worst layer's busiest expert over the mean
+# (1.00: balanced), and the share of choices a capacity dropped where it dropped any.
+ROUTING_COLUMN = "expert load max/mean"
 
 
 def table(group: Group, target: float) -> tuple[list[str], list[list[str]]]:
@@ -55,15 +58,23 @@ def table(group: Group, target: float) -> tuple[list[str], list[list[str]]]:
     declared = strategy_columns(group.rows)
     at = COLUMNS.index("per device") + 1
     tokens = any(row.facts.get("tokens_per_sample") for row in group.rows)
+    routed = any(_final(row, "moe/load_max_over_mean") is not None for row in group.rows)
 
-    def spliced(cells: list[str], extra: list[str]) -> list[str]:
-        return [*cells[:at], *(extra if tokens else []), *cells[at:]]
+    def spliced(cells: list[str], extra: list[str], routing: list[str]) -> list[str]:
+        return [*cells[:at], *(extra if tokens else []), *(routing if routed else []), *cells[at:]]
 
-    header = spliced(list(COLUMNS), list(TOKEN_COLUMNS)) + list(declared)
+    header = spliced(list(COLUMNS), list(TOKEN_COLUMNS), [ROUTING_COLUMN]) + list(declared)
     rows = [
-        spliced(_cells(row, target), _token_cells(row)) + _strategy_cells(row, declared) for row in group.rows
+        spliced(_cells(row, target), _token_cells(row), [_routing_cell(row)]) + _strategy_cells(row, declared)
+        for row in group.rows
     ]
     return header, rows
+
+
+def _routing_cell(row: Row) -> str:
+    load, dropped = _final(row, "moe/load_max_over_mean"), _final(row, "moe/dropped_frac")
+    shown = format_cell(load, "{:.2f}")
+    return f"{shown}, {_pct(dropped)} dropped" if dropped else shown
 
 
 def _token_cells(row: Row) -> list[str]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ... import distributed
 from ...checkpoint import to_cpu
+from ...models.moe import unrecorded_routing
 from ..comm import CommMeter
 from ..ddp_mp import group, model_stages
 from ..fsdp import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
@@ -444,6 +445,12 @@ def timed_stage_class() -> type:
                 sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
                 self.meter.count(sent, "activations")
             return ops
+
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            # The first step runs each stage once on uninitialised inputs to learn the shapes: not a
+            # forward of the training, so a mixture of experts does not count its routing.
+            with unrecorded_routing():
+                return super()._forward_metadata_inference(*args, **kwargs)
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             with self.timer.compute():
