@@ -40,13 +40,20 @@ def finish() -> None:
     barrier()
 
 
+def _in_force() -> bool:
+    """A run's process group is in force: not the fake one a memory prediction in this process left
+    (predict/memory.py keeps it for the process's later predictions), which an in-process run that
+    follows must neither gather over nor destroy."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+
+
 def stop() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _in_force():
         dist.destroy_process_group()
 
 
 def active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _in_force() and dist.get_world_size() > 1
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +64,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _in_force() else 1
 
 
 def all_reduce_max(value: float) -> float:

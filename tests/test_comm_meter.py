@@ -36,6 +36,8 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
         "activations": 0,
         "offload": 0,
         "context_parallel": 0,
+        "expert_dispatch": 0,
+        "expert_combine": 0,
     }
     assert meter.take() == (0.0, dict.fromkeys(nbytes, 0))
 
@@ -52,6 +54,8 @@ def test_a_meter_no_engine_steps_times_everything():
         "activations",
         "offload",
         "context_parallel",
+        "expert_dispatch",
+        "expert_combine",
     )
     zero = dict.fromkeys(kinds, 0)
     assert meter.take() == (3.0, {"gradients": 8, **zero})
@@ -76,6 +80,8 @@ def test_a_paused_meter_counts_and_times_nothing():
             "activations": 0,
             "offload": 0,
             "context_parallel": 0,
+            "expert_dispatch": 0,
+            "expert_combine": 0,
         },
     )
 

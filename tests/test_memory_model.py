@@ -52,13 +52,15 @@ def test_predicted_memory_per_rank_matches_what_runs_measure(tmp_path: Path):
     roles, FSDP over two pipeline stages of a transformer, and the schedules that run two stages a
     rank (a loop, a V; backwards split for zero bubble, with and without checkpointing), alone and
     with FSDP inside, and FSDP offloading its states to the host under fsdp and nd (dp_shard 2 x
-    tp 2), float8 training alone and under fsdp, and context parallelism (half of every sequence a
-    rank: alone, under FSDP, in bf16 with RoPE): every rank and category within 10%."""
+    tp 2), float8 training alone and under fsdp, context parallelism (half of every sequence a
+    rank: alone, under FSDP, in bf16 with RoPE), and a mixture of experts (single, fsdp, expert
+    parallelism over 2 and 4 ranks): every rank and category within 10%."""
     cases = "convnet zero W3,convnet fsdp W3,convnet pipeline_1f1b W3,convnet ps W3,gpt_tiny nd_pp_fsdp W4"
     cases += ",W2 interleaved_zero_bubble,W2 dualpipev,W2 zbv ac=full"  # and nd_pp_fsdp W4's schedules
     cases += ",offload"  # fsdp W2 and nd_2d W4 with their states on the host: five categories
     cases += ",fp8"  # single and fsdp W2 with the blocks' linear layers in float8
     cases += ",nd_cp"  # cp 2 alone, dp_shard 2 x cp 2, cp 2 in bf16 with RoPE
+    cases += ",gpt_moe_tiny"  # a mixture of experts: single, fsdp W2, and ep 2 of W2 and W4, ep 4 of W4
     script = ROOT / "scripts" / "memory_vs_measured.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--only", cases, "--out", str(tmp_path / "runs")],
@@ -72,7 +74,9 @@ def test_predicted_memory_per_rank_matches_what_runs_measure(tmp_path: Path):
     judged = summary.split(" (case")[0]  # "N of M"
     good, total = (int(x) for x in judged.split(" of "))
     # every rank of every case, four categories each, five offloaded
-    assert total == (3 + 3 + 3 + 3 + 3 * 4 + 2 + 2 + 2 + 1 + 2 + 2 + 4 + 2) * 4 + (2 + 4) * 5, proc.stdout
+    assert total == (3 + 3 + 3 + 3 + 3 * 4 + 2 + 2 + 2 + 1 + 2 + 2 + 4 + 2 + 13) * 4 + (2 + 4) * 5, (
+        proc.stdout
+    )
     assert good == total, proc.stdout
 
 
@@ -86,13 +90,24 @@ GPT = ["model=gpt_tiny", "data=python_stdlib", "task=lm"]
         [*GPT],
         [*GPT, "trainer.activation_checkpointing=full"],
         [*GPT, "trainer.activation_checkpointing=selective"],
+        [*GPT, "model=gpt_moe_tiny"],
+        [*GPT, "model=gpt_moe_tiny", "trainer.activation_checkpointing=full"],
     ],
-    ids=["convnet", "gpt_tiny", "gpt_tiny ac=full", "gpt_tiny ac=selective"],
+    ids=[
+        "convnet",
+        "gpt_tiny",
+        "gpt_tiny ac=full",
+        "gpt_tiny ac=selective",
+        "gpt_moe_tiny",
+        "gpt_moe_tiny ac=full",
+    ],
 )
 def test_activations_on_fake_tensors_are_what_real_tensors_hold(hydra_conf, overrides: list[str]):
     """The prediction runs the model on fake tensors (no storage, no data pointer); the same micro-batch
     on real tensors, measured as a run measures it, holds exactly as many bytes. With checkpointing
-    that includes what a block's recomputation keeps."""
+    that includes what a block's recomputation keeps. A mixture of experts is predicted with balanced
+    routing; dropless, its activations do not depend on the balance (the zero inputs here send every
+    token to the same experts)."""
     from hydra import compose
 
     cfg = compose("config", overrides=[*overrides, "trainer.batch_size=16"])
@@ -194,3 +209,21 @@ def test_live_bytes_counts_by_hand_what_is_alive_at_once_and_leaves_the_gradient
         del c, view
     assert live.peak == 8000
     assert layer.weight.grad is not None
+
+
+def test_a_run_in_this_process_after_a_prediction_is_a_run_of_one(tmp_path: Path):
+    """A prediction under tensor parallelism leaves its fake process group (of 65,536 ranks) for later
+    predictions; a single run in the same process (the Python API's) then gathered its memory over it
+    as if it were one of 65,536 ranks, and would have destroyed it."""
+    import torch.distributed as dist
+
+    from ddpexp.predict import memory as predicted
+
+    from .conftest import metrics, run_here
+
+    predicted._fake_process_group(4)
+    result = run_here(tmp_path, "trainer.max_steps=1", "trainer.epochs=1", "hydra.run.dir=run")
+    assert result.returncode == 0, result
+    record = metrics(tmp_path / "run")
+    assert record["facts"]["world_size"] == 1 and len(record["memory_per_rank"]) == 1
+    assert dist.is_initialized() and dist.get_backend() == "fake"  # still there for the next prediction

@@ -240,6 +240,7 @@ MOE = [
     "checkpoint.every_epochs=null",
 ]
 CAPACITY = ["model.moe.capacity_factor=1.0"]
+CLIP = ["trainer.clip_grad_norm=0.5", "trainer.accumulate=2"]  # below the gradient's norm: it clips
 SWEPT = ["single", "ddp", "fsdp", "zero", "pipeline"]
 # name -> (arguments after MOE, world size, the run it must equal)
 ALONE: dict[str, tuple[list[str], int, str]] = {
@@ -257,7 +258,25 @@ ALONE: dict[str, tuple[list[str], int, str]] = {
         1,
         "single",
     ),
+    "single clip accumulate 2": (["strategy=single", *CLIP], 1, ""),
+    # expert parallelism: the experts over ep ranks of each dp_shard group (see EXPERT_PARALLEL)
+    "nd ep 2": (["strategy=nd", "strategy.ep=2", "checkpoint.every_steps=4"], 2, "single"),
+    "nd dp_shard 4 ep 4": (["strategy=nd", "strategy.dp_shard=4", "strategy.ep=4"], 4, "single"),
+    "nd dp_shard 4 ep 2": (["strategy=nd", "strategy.dp_shard=4", "strategy.ep=2"], 4, "single"),
+    "nd hsdp 2 x dp_shard 2 ep 2": (
+        ["strategy=nd", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.ep=2"],
+        4,
+        "single",
+    ),
+    "nd pp 2 x dp_shard 2 ep 2": (
+        ["strategy=nd", "strategy.pp=2", "strategy.dp_shard=2", "strategy.ep=2"],
+        4,
+        "single",
+    ),
+    "nd ep 2 clip accumulate 2": (["strategy=nd", "strategy.ep=2", *CLIP], 2, "single clip accumulate 2"),
+    "nd ep 2 capacity": (["strategy=nd", "strategy.ep=2", *CAPACITY], 2, "single capacity"),
 }
+EXPERT_PARALLEL = [name for name in ALONE if " ep " in name]
 PARITY = {
     **{name: (2, "single") for name in SWEPT if name != "single"},
     **{name: (world, equal) for name, (_, world, equal) in ALONE.items() if equal},
@@ -321,3 +340,53 @@ def test_routing_shows_in_tensorboard_and_the_report(moe_runs: dict[str, Path], 
     report([str(moe_runs["single capacity"].parent)])
     out = capsys.readouterr().out
     assert "expert load max/mean" in out and "dropped" in out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", EXPERT_PARALLEL)
+def test_expert_parallel_all_to_alls_send_what_the_cost_model_declares(moe_runs: dict[str, Path], name: str):
+    """comm/bytes_per_step by kind: the dispatch and combine all-to-alls (forward and backward, with
+    the counts) as expert_parallel.communication declares them for balanced routing, and so exactly
+    whatever the balance; the experts' gradient all-reduce across the ranks holding the same experts
+    among the gradients. With a capacity the experts drop what they cannot take: fewer bytes, never more."""
+    from ddpexp.predict import predicted_bytes
+
+    final = metrics(moe_runs[name])["final"]
+    for kind in ("expert_dispatch", "expert_combine"):
+        measured, declared = final[f"comm/bytes_per_step/{kind}"], predicted_bytes(moe_runs[name], kind=kind)
+        if "capacity" in name:
+            assert 0 < measured < declared
+        else:
+            assert measured == pytest.approx(declared, rel=1e-12), kind
+    if "capacity" not in name:
+        assert predicted_bytes(moe_runs[name]) == pytest.approx(final["comm/bytes_per_step"], rel=1e-12)
+    assert final["moe/load_max_over_mean"] > 1.2  # the corpus's bytes do not route evenly: still exact
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_an_expert_parallel_checkpoint_resumes_under_single_and_under_another_layout(
+    moe_runs: dict[str, Path], tmp_path: Path
+):
+    """Its state is whole (the experts gathered from their ranks): single and ep 4 over 4 ranks
+    continue from step 4 to the uninterrupted ep 2 run's parameters at step 8."""
+    from .test_gpt_parity import EXACT, drift
+
+    uninterrupted = moe_runs["nd ep 2"]
+    start = uninterrupted / "checkpoints" / "step-00000004.pt"
+    layouts = {"single": ["strategy=single"], "ep4": ["strategy=nd", "strategy.dp_shard=4", "strategy.ep=4"]}
+    for name, args in layouts.items():
+        result = run_here(tmp_path, *MOE, *args, f'trainer.resume="{start}"', f"hydra.run.dir={name}")
+        assert result.returncode == 0, result
+        measured = drift(weights(tmp_path / name), weights(uninterrupted), weights(moe_runs["init"]))
+        assert measured <= EXACT, f"resumed under {name}: drifted {measured:.3g}"
+        assert metrics(tmp_path / name)["final"]["step"] == 8
+
+
+def test_arrivals_by_source_rank_are_regrouped_by_expert():
+    """Rank 0 sent 1 row for this rank's expert 0 and 2 for its expert 1, rank 1 sent 3 for expert 0:
+    rows 0 | 1 2 | 3 4 5 arrive; the experts take 0 3 4 5 (expert 0), then 1 2 (expert 1)."""
+    from ddpexp.strategies.nd.expert_parallel import _by_expert
+
+    assert _by_expert(torch.tensor([[1, 2], [3, 0]])).tolist() == [0, 3, 4, 5, 1, 2]

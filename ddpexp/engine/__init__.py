@@ -104,6 +104,10 @@ class Engine:
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
         self._params = [p for p in model.base.parameters() if p.requires_grad]
+        meshes: dict[Any, list[torch.Tensor]] = {}
+        for p in self._params:
+            meshes.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        self._by_mesh = list(meshes.values())
         self._first_step_done = False
         self._nonfinite_seen = False
         self._resident: dict[str, float] | None = None  # memory.resident_mb, max over ranks
@@ -343,7 +347,8 @@ class Engine:
                 torch.nn.utils.clip_grad_norm_(self._params, self.settings.clip_grad_norm)
             else:  # this rank holds part of the gradient: clip by the whole gradient's norm
                 norm = self.model.grad_norm(self._params)
-                torch.nn.utils.clip_grads_with_norm_(self._params, self.settings.clip_grad_norm, norm)
+                for params in self._by_mesh:  # one foreach op may not mix DTensors of two meshes
+                    torch.nn.utils.clip_grads_with_norm_(params, self.settings.clip_grad_norm, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

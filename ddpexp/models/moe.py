@@ -154,12 +154,23 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
         assert w1 is not None and w2 is not None
+        if w1.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            # bf16 tokens (FSDP's parameter dtype) meet experts FSDP does not hold (expert parallelism's)
+            w1, w2 = w1.to(x.dtype), w2.to(x.dtype)
+            w3 = None if w3 is None else w3.to(x.dtype)
         outs = []
         for e, part in enumerate(x.split(counts)):
             h = part @ w1[e].t()
             h = F.silu(h) * (part @ w3[e].t()) if w3 is not None else F.gelu(h, approximate="tanh")
             outs.append(h @ w2[e].t())
         return torch.cat(outs)
+
+
+def _shapes_only(t: torch.Tensor) -> bool:
+    """A tensor without values (meta, or a fake tensor): routing is taken as balanced, nothing counted."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
 
 
 def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -238,9 +249,10 @@ class MoE(nn.Module):
         routed = self._dispatch(tokens, chosen.reshape(-1), weights.reshape(-1), kept)
         out = routed if self.shared is None else routed + self.shared(tokens)
         out = out.view(batch, length, dim)
-        if self.training and torch.is_grad_enabled() and not x.is_meta:
+        if self.training and torch.is_grad_enabled():
             aux = self._balance_loss(scores, chosen, batch, length)
-            if _recording[0] and torch._C._current_graph_task_id() == -1:  # not a checkpoint's recomputation
+            # not a checkpoint's recomputation, nor a forward without values
+            if _recording[0] and torch._C._current_graph_task_id() == -1 and not _shapes_only(x):
                 self._count(chosen, kept, aux, batch)
             if cfg.aux_loss_coef > 0:
                 out = _AuxGradient.apply(out, aux * (cfg.aux_loss_coef * batch / self.balance_over))
@@ -249,7 +261,7 @@ class MoE(nn.Module):
     def _capacity(self, chosen: torch.Tensor, length: int) -> torch.Tensor | None:
         """Which choices (token-major, then k) fit their expert's per-sequence capacity; None: all."""
         cf = self.cfg.capacity_factor
-        if cf is None or chosen.is_meta:
+        if cf is None or _shapes_only(chosen):
             return None
         capacity = math.ceil(cf * length * self.cfg.top_k / self.cfg.experts)
         onehot = F.one_hot(chosen, self.cfg.experts)  # (B, L*K, E)
@@ -261,7 +273,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         experts, k = self.cfg.experts, self.cfg.top_k
         choice = torch.arange(chosen.numel(), device=chosen.device)
-        if tokens.is_meta:  # shapes only (pre-flight, the memory model): balanced routing
+        if _shapes_only(tokens):  # pre-flight's meta device, the memory model's fake tensors: balanced
             n = chosen.numel()
             counts = [n // experts + (e < n % experts) for e in range(experts)]
         else:

@@ -52,7 +52,9 @@ from ..commbench import Op
 # asynchronously; the waits for them are in pipe/bubble_frac), and offload (FSDP's copies between host
 # and device memory under strategy.offload: each shard to the device before its all-gather, each reduced
 # gradient shard back: counted, not timed), and context_parallel (the keys and values context
-# parallelism's ring attention gathers, and their gradients it rotates).
+# parallelism's ring attention gathers, and their gradients it rotates), and expert parallelism's
+# all-to-alls: expert_dispatch (tokens to their experts' ranks with their counts, and in the backward
+# the outputs' gradients the same way) and expert_combine (the outputs back, and the tokens' gradients).
 KINDS = (
     "gradients",
     "parameters",
@@ -62,6 +64,8 @@ KINDS = (
     "activations",
     "offload",
     "context_parallel",
+    "expert_dispatch",
+    "expert_combine",
 )
 
 

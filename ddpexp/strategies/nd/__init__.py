@@ -55,6 +55,7 @@ from torch import nn
 from ... import activation_checkpointing, float8
 from ...config import Precision, StrategyConfig
 from ...errors import UserError
+from ...models.moe import unrecorded_routing
 from ...optim import OptimizerSpec
 from .. import FP16_OWN_STEP, Strategy, Wrapped, register
 from ..comm import Collective, CommMeter, Held, Overlap, Workload, sequence_part
@@ -91,7 +92,7 @@ from ..pipeline import (
     stage_held,
 )
 from ..pipeline.stage import Schedule, StageLayout, StageRunner, stages_per_rank
-from . import context_parallel, tensor_parallel
+from . import context_parallel, expert_parallel, tensor_parallel
 from .degrees import NAMES, Degrees, resolve
 
 if TYPE_CHECKING:
@@ -115,6 +116,9 @@ class NdConfig(StrategyConfig):
     # Context-parallel ranks: each holds 1/cp of every sequence, attention exchanging keys and values
     # around them (the sequence must split into 2 x cp chunks).
     cp: int = 1
+    # Expert-parallel ranks (a mixture of experts): each dp_shard group splits into groups of ep ranks
+    # over which every MoE layer's experts are spread, tokens sent to them by all-to-all.
+    ep: int = 1
     # With tp > 1: activations between blocks (and the norms) split along the sequence over the tp ranks.
     sequence_parallel: bool = False
     # With tp > 1: the head's logits stay split by vocabulary and the cross-entropy reduces over the tp
@@ -180,6 +184,7 @@ class Nd(Strategy[NdConfig]):
 
     def check(self, *, plan: Plan, host: HostFacts) -> None:
         degrees = self.degrees(plan.world_size)
+        expert_parallel.check(ep=self.settings.ep, dp_shard=degrees.dp_shard)
         if degrees.pp > 1:
             s = self.settings
             checkpointing = plan.activation_checkpointing
@@ -205,6 +210,7 @@ class Nd(Strategy[NdConfig]):
         config = getattr(model, "config", None)
         length = getattr(config, "block_size", None)  # the data's, unless set longer (checked again)
         context_parallel.check(model, cp=self.settings.cp, length=length)
+        expert_parallel.check_model(model, self.settings.ep)
 
     # ------------------------------------------------------------------------- in each worker
 
@@ -212,7 +218,16 @@ class Nd(Strategy[NdConfig]):
         from torch.distributed.device_mesh import init_device_mesh
 
         degrees = self.degrees(ctx.world_size)
-        mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=NAMES)
+        ep = self.settings.ep
+        if ep > 1:  # dp_shard as (dp_shard / ep) x ep: the same ranks, an ep group inside each shard group
+            i = NAMES.index("dp_shard")
+            shape = (*degrees.shape[:i], degrees.dp_shard // ep, ep, *degrees.shape[i + 1 :])
+            names = (*NAMES[:i], "dp_shard_out", "ep", *NAMES[i + 1 :])
+            mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+            mesh["dp_shard_out", "ep"]._flatten("dp_shard")
+            expert_replicas = mesh["dp_replicate", "dp_shard_out"]._flatten("expert_replicas")
+        else:
+            mesh = init_device_mesh(ctx.device.type, degrees.shape, mesh_dim_names=NAMES)
         at = degrees.coordinates(ctx.rank)
         plan = self._plan(model, degrees.tp)
         shard = "dp_shard"
@@ -227,6 +242,10 @@ class Nd(Strategy[NdConfig]):
         if self.settings.offload:
             policy["offload_policy"] = offload_policy(ctx.device)
 
+        def ignored(module: nn.Module) -> set[nn.Parameter] | None:
+            """Split experts are expert parallelism's to reduce, not FSDP's."""
+            return (expert_parallel.expert_params(module) or None) if ep > 1 else None
+
         def parallelise(part: nn.Module) -> None:
             """Tensor parallelism, then FSDP, on the modules of `part` (the whole model, or a stage)."""
             inside = {id(m) for m in part.modules()}
@@ -235,13 +254,24 @@ class Nd(Strategy[NdConfig]):
                     path: style for path, style in plan.items() if id(model.get_submodule(path)) in inside
                 }
                 tensor_parallel.apply(model, mesh["tp"], mine)
+            if ep > 1:
+                expert_parallel.split(part, mesh["ep"])
             if degrees.fsdp > 1:
                 from torch.distributed.fsdp import fully_shard
 
                 for unit in units_and_ties(model)[0]:
                     if id(unit) in inside:
-                        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
-                fully_shard(part, mesh=dp_mesh, reshard_after_forward=reshard, **policy)
+                        experts = ignored(unit)
+                        fully_shard(
+                            unit,
+                            mesh=dp_mesh,
+                            reshard_after_forward=reshard,
+                            ignored_params=experts,
+                            **policy,
+                        )
+                fully_shard(
+                    part, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored(part), **policy
+                )
 
         meter = CommMeter() if measure_comm else None
         stage: StageRunner | None = None
@@ -278,6 +308,13 @@ class Nd(Strategy[NdConfig]):
                 meter = _fsdp_meter(trained if stage is None else stage.part, hsdp=degrees.dp_replicate > 1)
         if stage is not None:
             stage.meter_sends(meter)
+        expert_sync = None
+        if ep > 1:
+            expert_parallel.route(model, mesh["ep"], meter)
+            replicas = expert_replicas.get_group() if expert_replicas.size() > 1 else None
+            expert_sync = expert_parallel.sync_expert_grads(
+                trained if stage is None else stage, replicas, degrees.dp, meter
+            )
         # Every cp rank's loss is its part's mean (their mean the whole's); one scores evaluation.
         scores = at["tp"] == 0 and (stage is None or stage.is_last)
         loss_parallel = degrees.tp > 1 and self.settings.loss_parallel
@@ -295,6 +332,7 @@ class Nd(Strategy[NdConfig]):
             stage=stage,
             loss_parallel=loss_parallel,
             shards=shards,
+            expert_sync=expert_sync,
         )
         own_step = degrees.tp > 1 or stage is not None or shards is not None
         return Wrapped(
@@ -393,9 +431,14 @@ class Nd(Strategy[NdConfig]):
         if degrees.tp > 1 and self.settings.loss_parallel:
             loss_context = functools.partial(tensor_parallel.loss_context, True)
         units = unit_params(job.model)
+        ep, experts = self.settings.ep, expert_parallel.expert_params(job.model)
+        if ep > 1:  # each rank its 1/ep of the experts, whole: FSDP neither shards nor gathers them
+            units = [[p for p in unit if p not in experts] for unit in units]
         own = gathered_sizes(job)
         split = self._tensor_split(degrees) if degrees.tp > 1 else None
-        split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel)
+        if ep > 1:  # (a mixture of experts has no tensor-parallel plan)
+            split = expert_parallel.predicted_split(ep)
+        split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel, ep)
         held: dict[tuple[int, ...], Held] = {}  # ranks at the same stage and chunks hold alike
         per_stage: dict[int, tuple[list[nn.Parameter], Held, list[list[nn.Parameter]]]] = {}
         out = []
@@ -421,6 +464,8 @@ class Nd(Strategy[NdConfig]):
                     mine = (
                         shard_of(shape, degrees.shard, at["dp_shard"] * degrees.cp + at["cp"])
                         * p.element_size()
+                        if not (ep > 1 and p in experts)
+                        else p.numel() // ep * p.element_size()
                     )
                     sharded += mine
                     trained += mine if p.requires_grad else 0
@@ -528,6 +573,21 @@ class Nd(Strategy[NdConfig]):
                 recomputed=job.activation_checkpointing == "full",
                 inter_node=job.spans_nodes(degrees.tp * degrees.cp),
             )
+        ep = self.settings.ep
+        if ep > 1:
+            # The tokens leave in the stream's dtype (FSDP's parameter dtype, or fp32: autocast's norms
+            # give fp32), the experts' outputs return in their matmuls'.
+            out += expert_parallel.communication(
+                job.model,
+                ep=ep,
+                micro_batch=job.global_batch / passes / degrees.dp,
+                length=(job.input_shape or (0,))[0],
+                passes=passes,
+                token_size=(mixed.param or torch.float32).itemsize,
+                output_size=computed.itemsize,
+                inter_node=job.spans_nodes(degrees.tp * degrees.cp * ep),
+                per_node=min(ep, job.procs_per_node),
+            )
         if degrees.fsdp > 1:
             out += self._data_parallel(
                 job, degrees, tensor_parallel.local_shapes(job.model, plan, degrees.tp)
@@ -565,6 +625,9 @@ class Nd(Strategy[NdConfig]):
         replica_spans = job.spans_nodes(degrees.tp * degrees.fsdp)
         gather, reduce = self.precisions(degrees, job.precision).element_sizes()
         units = unit_params(job.model)
+        ep, experts = self.settings.ep, expert_parallel.expert_params(job.model)
+        if ep > 1:  # the split experts are expert parallelism's to reduce (below), not FSDP's
+            units = [[p for p in unit if p not in experts] for unit in units]
         own = gathered_sizes(job)
         shards = unit_shards(units, degrees.shard, element_size=gather, shapes=shapes, own=own)
         grads = unit_shards(units, degrees.shard, element_size=reduce, shapes=shapes)
@@ -586,6 +649,16 @@ class Nd(Strategy[NdConfig]):
                 (degrees.tp, job.spans_nodes(degrees.tp), min(degrees.tp, job.procs_per_node)),
             ],
         )
+        if ep > 1 and degrees.fsdp > ep:
+            out.append(
+                expert_parallel.expert_reduction(
+                    experts,
+                    ep=ep,
+                    replicas=degrees.fsdp // ep,
+                    inter_node=replica_spans,
+                    per_node=max(1, job.procs_per_node // (degrees.tp * ep)),
+                )
+            )
         if self.settings.offload:
             again = self.settings.reshard_after_forward and not staged
             out += offload_traffic(
@@ -676,8 +749,10 @@ class _Runner(nn.Module):
         stage: StageRunner | None,
         loss_parallel: bool = False,
         shards: context_parallel.SequenceShards | None = None,
+        expert_sync: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
+        self.expert_sync = expert_sync
         self.trained = trained
         self.loss_parallel = loss_parallel
         self.stage = stage
@@ -722,7 +797,7 @@ class _Runner(nn.Module):
         part = self.stage.part
         saved = [b.detach().clone() for b in part.buffers()]
         unmetered = self.meter.paused() if self.meter is not None else contextlib.nullcontext()
-        with unmetered, tensor_parallel.loss_context(self.loss_parallel):
+        with unmetered, unrecorded_routing(), tensor_parallel.loss_context(self.loss_parallel):
             self.stage.train_step(inputs, targets, scale, loss)
         for p in part.parameters():
             p.grad = None
@@ -743,6 +818,8 @@ class _Runner(nn.Module):
                 grad = p.grad
                 if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
                     p.grad = grad.redistribute(grad.device_mesh, p.placements)
+        if self.expert_sync is not None:
+            self.expert_sync()
 
     def forward(self, inputs: Any) -> torch.Tensor | None:
         if self.shards is not None:
