@@ -16,8 +16,26 @@ import torch
 from ddpexp import cli
 
 GPT_LM = ["model=gpt_tiny", "data=python_stdlib", "task=lm"]  # 4 stages: embedding, 2 blocks, head
+MOE = ["model=gpt_moe_tiny", "data=python_stdlib", "task=lm"]
 REFUSALS = [
     # (overrides, words the one-line error must contain)
+    (
+        ["model=gpt_tiny", *MOE[1:], "strategy=nd", "strategy.ep=2"],
+        ["strategy.ep", "has none", "gpt_moe_small"],
+    ),
+    (
+        [*MOE, "strategy=nd", "strategy.dp_shard=2", "strategy.ep=4"],
+        ["strategy.ep", "divisor of 2", "dist.nprocs"],
+    ),
+    (
+        [*MOE, "strategy=nd", "strategy.ep=8", "dist.nprocs=8"],
+        ["strategy.ep", "4 experts", "model.moe.experts"],
+    ),
+    ([*MOE, "strategy=nd", "strategy.ep=0"], ["strategy.ep", "positive"]),
+    ([*MOE, "strategy=nd", "strategy.cp=2"], ["strategy.cp", "whole sequences", "strategy.cp=1"]),
+    ([*MOE, "strategy=nd", "strategy.tp=2"], ["model.moe", "tensor parallelism", "strategy.tp=1"]),
+    ([*MOE, "model.moe.top_k=5"], ["model.moe.top_k", "4 there are", "top_k<=4"]),
+    ([*MOE, "model.moe.capacity_factor=0"], ["model.moe.capacity_factor", "null for dropless"]),
     (["task=regression"], ["task=regression", "class labels", "task=classification"]),
     (["model=toy", "data=synthetic_regression"], ["task=classification", "float values", "task=regression"]),
     (["checkpoint.best_metric=eval/mse"], ["checkpoint.best_metric", "eval/mse", "eval/acc"]),

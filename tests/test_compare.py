@@ -442,6 +442,40 @@ def test_parallelisms_preset_runs_each_mesh_on_gpt_small_at_world_4_and_one_batc
     assert meshes == {(1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 1, 2)}
 
 
+MOE_LAYOUTS = {  # experiment=moe's jobs: option -> (strategy, settings that differ)
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "nd_ep": ("nd", {"ep": 2}),
+    "nd_ep4": ("nd", {"ep": 4}),
+    "nd_pp_ep": ("nd", {"pp": 2, "ep": 2}),
+}
+
+
+@pytest.mark.usefixtures("hydra_conf")
+def test_moe_preset_runs_the_mixture_of_experts_under_data_and_expert_parallelism_at_world_4():
+    """Composition only: gpt_moe_small (8 experts, top-2) at one global batch on 4 ranks under ddp,
+    fsdp, ep 2 and ep 4 over dp_shard 4, and pp 2 x dp_shard 2 x ep 2, each passing pre-flight."""
+    from ddpexp.plan import HostFacts
+    from ddpexp.preflight import check_job
+
+    comp, expanded, options = _strategy_preset("moe")
+    assert options == list(MOE_LAYOUTS)
+    host = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
+    meshes = set()
+    for job, option in zip(expanded, options, strict=True):
+        cfg = comp(job)
+        strategy, settings = MOE_LAYOUTS[option]
+        resolved = strategies.resolve(cfg.strategy)
+        assert (cfg.strategy.name, resolved.changed_settings()) == (strategy, settings)
+        assert (cfg.model.moe.experts, cfg.model.moe.top_k) == (8, 2)
+        plan = check_job(cfg, host, multirun=True)
+        assert (plan.world_size, plan.global_batch) == (4, 16)
+        if strategy == "nd":
+            d = resolved.degrees(4)
+            meshes.add((d.pp, d.dp_shard, resolved.settings.ep))
+    assert meshes == {(1, 4, 2), (1, 4, 4), (2, 2, 2)}
+
+
 def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_that_log_them(tmp_path: Path):
     """Fabricated runs (metrics.json only, with the columns each strategy declares, as a run records
     them): pipeline runs show their last epoch's measured bubble next to the textbook one, ps async its

@@ -289,6 +289,35 @@ def test_long_sequences_are_planned_with_context_parallelism_within_a_node():
     assert [label for label in odd if "cp" in label] == ["nd fsdp8 x cp2"]
 
 
+def test_a_mixture_of_experts_is_planned_with_expert_parallelism_and_no_tensor_parallelism():
+    """EP over 2, 4, 8... ranks dividing the experts and a stage's data-parallel ranks, alone, with
+    stages and under HSDP; within a node and across nodes; no tp or cp meshes (MoE has no plan for
+    them), which a dense model still gets."""
+    from ddpexp.planner.space import meshes
+
+    cluster = load_cluster("8xh100_sxm", nodes=2)
+    found = {c.label: c.section for c in meshes(cluster, 6, seq_len=131072, experts=8)}
+    assert found["nd fsdp16 ep8"] == {"name": "nd", "dp_shard": -1, "ep": 8}
+    assert {"nd fsdp16 ep2", "nd fsdp16 ep4", "nd pp2 x fsdp8 ep8", "nd hsdp2 x fsdp8 ep8"} <= found.keys()
+    assert "nd fsdp16 ep16" not in found  # 8 experts
+    assert not any("tp" in label or "cp" in label for label in found)
+    dense = [c.label for c in meshes(cluster, 6, seq_len=131072)]
+    assert any("tp" in label for label in dense) and not any("ep" in label for label in dense)
+
+
+def test_a_plan_for_a_mixture_of_experts_prices_its_all_to_alls(tmp_path: Path):
+    """End to end on gpt_moe_small on one node: the ep layouts are ranked with the others, their
+    all-to-alls priced on the node's links (bytes inside the node, none across)."""
+    args = ["model=gpt_moe_small", "data=synthetic_tokens", "task=lm", "--cluster", "8xh100_sxm"]
+    result = run_here(tmp_path, "plan", *args, "--tokens", "1e8", "--format", "json")
+    assert result.returncode == 0, result
+    plans = json.loads(result.stdout)["plans"]
+    ep = [p for p in plans if " ep" in p["plan"]]
+    assert ep and all(p["fits"] and p["bytes_per_step_intra_node"] > 0 for p in ep)
+    assert all(p["bytes_per_step_inter_node"] == 0 for p in ep)
+    assert not any(" tp" in p["plan"] for p in plans)
+
+
 def test_pipelines_are_also_planned_interleaved_where_the_model_has_the_stages():
     """Each nd mesh with stages is also tried with the interleaved 1F1B schedule (two stages a rank, a
     smaller bubble, torchtitan's 405B choice) where the model splits into twice as many stages."""

@@ -99,6 +99,7 @@ class Job:
     stages: int  # the model's stages() (pipeline's limit)
     loss_parallel: bool  # whether its tensor-parallel plan can keep the logits split
     input_dtype: Any = None
+    experts: int = 0  # a mixture of experts' experts per layer (0: dense)
 
     @property
     def precision(self) -> str:
@@ -152,6 +153,7 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
 
     from .. import models
     from ..data import build_source
+    from ..models.moe import routing_layers
     from ..strategies.nd import tensor_parallel
 
     info = build_source(cfg.data).info()
@@ -182,7 +184,10 @@ def job_of(overrides: list[str], cfg: Any, *, tokens: float | None, epochs: floa
     split = getattr(model, "stages", None)
     stages = len(split()) if callable(split) else 1
     lp = tensor_parallel.splits_loss(model)
-    return Job(overrides, cfg, model, batch, seq_len, float(count(seq_len)), target, stages, lp, torch.long)
+    routed = routing_layers(model)
+    experts = routed[0].cfg.experts if routed else 0
+    flops = float(count(seq_len))
+    return Job(overrides, cfg, model, batch, seq_len, flops, target, stages, lp, torch.long, experts)
 
 
 def config_for(job: Job, candidate: Candidate) -> Any:

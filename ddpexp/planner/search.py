@@ -79,7 +79,9 @@ def search(
         result = estimate(given, job, cluster, fabric, cache) if note is None else Estimate(given, note=note)
         return [result]
     out: list[Estimate] = []
-    all_meshes = meshes(cluster, job.stages, loss_parallel=job.loss_parallel, seq_len=job.seq_len)
+    all_meshes = meshes(
+        cluster, job.stages, loss_parallel=job.loss_parallel, seq_len=job.seq_len, experts=job.experts
+    )
     for i, mesh in enumerate(all_meshes, 1):
         if progress is not None:
             progress(f"ddpexp plan: mesh {i} of {len(all_meshes)}, {mesh.label}")

@@ -102,7 +102,7 @@ LONG_SEQUENCE = 16384
 
 
 def meshes(
-    cluster: Cluster, stages: int, *, loss_parallel: bool = False, seq_len: int = 0
+    cluster: Cluster, stages: int, *, loss_parallel: bool = False, seq_len: int = 0, experts: int = 0
 ) -> list[Candidate]:
     """The data-parallel strategies over every device, then nd's meshes: tensor parallelism within a
     node (2, 4, 8 ranks, with sequence parallelism, and loss parallelism where the model's plan has
@@ -111,7 +111,12 @@ def meshes(
     HSDP (a replica per node) over several nodes; pipeline's 1F1B with DDP replicas; and for
     sequences of LONG_SEQUENCE tokens or more, context parallelism within a node (2, 4, 8 ranks, each
     holding that share of every sequence; torchtitan's long-context layout) with FSDP over the rest.
-    Sizes that do not divide the world (or, for cp, 2 x cp chunks of the sequence) are left out."""
+    Sizes that do not divide the world (or, for cp, 2 x cp chunks of the sequence) are left out.
+
+    A mixture of experts (`experts` per layer) has no tensor- or context-parallel plan: its meshes are
+    FSDP's and pipeline's, and each with expert parallelism over 2, 4, 8... ranks (experts and the
+    data-parallel ranks divisible by it): within a node the all-to-alls stay on its links, across
+    nodes they cross the network (the plan prices both)."""
     world, per_node = cluster.devices, cluster.devices_per_node
     split: dict[str, Any] = {"sequence_parallel": True} | ({"loss_parallel": True} if loss_parallel else {})
     named = " sp lp" if loss_parallel else " sp"
@@ -120,7 +125,7 @@ def meshes(
         Candidate("zero", {"name": "zero"}),
         Candidate("fsdp", {"name": "fsdp"}),
     ]
-    tps = [tp for tp in (2, 4, 8) if tp <= per_node and per_node % tp == 0]
+    tps = [tp for tp in (2, 4, 8) if tp <= per_node and per_node % tp == 0] if not experts else []
     pps = [pp for pp in (2, 4, 8) if pp <= stages and world % pp == 0]
     for pp in [1, *pps]:
         for tp in [1, *tps]:
@@ -150,7 +155,9 @@ def meshes(
                     f"nd {label}", {"name": "nd", "dp_replicate": cluster.nodes, "dp_shard": -1, **mesh}
                 )
             )
-    if seq_len >= LONG_SEQUENCE:
+    if experts:
+        out += _expert_parallel(world, cluster.nodes, pps, experts)
+    if seq_len >= LONG_SEQUENCE and not experts:
         for cp in (2, 4, 8):
             if cp <= per_node and per_node % cp == 0 and world % cp == 0 and seq_len % (2 * cp) == 0:
                 section = {"name": "nd", "dp_shard": -1, "cp": cp}
@@ -158,6 +165,27 @@ def meshes(
     for pp in pps:
         section = {"name": "pipeline", "stages": pp, "replicas": world // pp, "microbatches": 2 * pp}
         out.append(Candidate(f"pipeline {pp} stages x {world // pp} (1f1b)", {**section, "schedule": "1f1b"}))
+    return out
+
+
+def _expert_parallel(world: int, nodes: int, pps: list[int], experts: int) -> list[Candidate]:
+    """EP over each power of two dividing the experts and a stage's data-parallel ranks, alone and
+    with pipeline stages; with several nodes, also under HSDP (a replica per node, EP inside it)."""
+    out = []
+    for pp in [1, *pps]:
+        shard = world // pp
+        for ep in (2**k for k in range(1, 16)):
+            if ep > shard or experts % ep or shard % ep:
+                continue
+            mesh: dict[str, Any] = {"name": "nd", "dp_shard": -1, "ep": ep}
+            label = f"fsdp{shard} ep{ep}"
+            if pp > 1:
+                mesh |= {"pp": pp, "microbatches": 2 * pp, "schedule": "1f1b"}
+                label = f"pp{pp} x {label}"
+            out.append(Candidate(f"nd {label}", mesh))
+            if pp == 1 and nodes > 1 and (world // nodes) % ep == 0:
+                section = {"name": "nd", "dp_replicate": nodes, "dp_shard": -1, "ep": ep}
+                out.append(Candidate(f"nd hsdp{nodes} x fsdp{world // nodes} ep{ep}", section))
     return out
 
 

@@ -210,7 +210,7 @@ class Nd(Strategy[NdConfig]):
         config = getattr(model, "config", None)
         length = getattr(config, "block_size", None)  # the data's, unless set longer (checked again)
         context_parallel.check(model, cp=self.settings.cp, length=length)
-        expert_parallel.check_model(model, self.settings.ep)
+        expert_parallel.check_model(model, self.settings.ep, self.settings.cp)
 
     # ------------------------------------------------------------------------- in each worker
 

@@ -57,15 +57,22 @@ def check(*, ep: int, dp_shard: int) -> None:
             f"expert parallelism over {ep} ranks does not divide a dp_shard group of {dp_shard} ranks",
             setting="strategy.ep",
             fix=f"set strategy.ep to a divisor of {dp_shard} ({', '.join(map(str, divisors))}), "
-            f"or give dp_shard a multiple of {ep} ranks",
+            f"or make dp_shard a multiple of {ep} (strategy.dp_shard, dist.nprocs)",
         )
 
 
-def check_model(model: nn.Module, ep: int) -> None:
-    """A model with experts that divide over the ep ranks."""
+def check_model(model: nn.Module, ep: int, cp: int) -> None:
+    """A model with experts that divide over the ep ranks; a mixture of experts with whole sequences."""
+    layers = routing_layers(model)
+    if layers and cp > 1:
+        raise UserError(
+            "context parallelism splits every sequence, and a mixture of experts balances its load over "
+            "whole sequences (its auxiliary loss is sequence-wise)",
+            setting="strategy.cp",
+            fix="set strategy.cp=1 with this model (strategy.ep, dp_shard and pp spread it)",
+        )
     if ep == 1:
         return
-    layers = routing_layers(model)
     if not layers:
         raise UserError(
             f"expert parallelism spreads a mixture of experts' experts, and {type(model).__name__} has none",
