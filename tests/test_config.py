@@ -31,7 +31,8 @@ OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((Path(conf_dir()) / g).gl
 TEXT_MODELS = {"gcnn", "embbag"}
 TOKEN_DATA = {"python_stdlib", "synthetic_tokens", "text_files"}  # task=lm's
 # The published shapes are built on the meta device, as pre-flight and ddpexp-predict build them.
-GPT_MODELS = {"gpt", "gpt_tiny", "gpt_small"}
+GPT_MODELS = {"gpt", "gpt_tiny", "gpt_small", "gpt_moe_tiny", "gpt_moe_small"}
+EXPERT_PARALLEL = {"nd_ep", "nd_ep4", "nd_pp_ep"}
 PUBLISHED_SHAPES = set(PUBLISHED)
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 
@@ -67,6 +68,8 @@ def test_option_composes_and_instantiates(group: str, option: str, tmp_path: Pat
         overrides += ["model=gpt_tiny", "task=lm"]
     if (group, option) == ("task", "lm"):
         overrides += ["model=gpt_tiny", "data=synthetic_tokens"]
+    if group == "strategy" and option in EXPERT_PARALLEL:  # a model with experts, ranks to spread them
+        overrides += ["model=gpt_moe_tiny", "data=synthetic_tokens", "task=lm", "dist.nprocs=4"]
     if (group, option) == ("data", "text_files"):
         (tmp_path / "corpus.txt").write_text("A corpus of one's own.\n" * 100)
         overrides.append(f"data.path={tmp_path / 'corpus.txt'}")

@@ -157,7 +157,9 @@ class Nd(Strategy[NdConfig]):
     def degrees(self, world: int) -> Degrees:
         s = self.settings
         given = {"pp": s.pp, "dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "cp": s.cp, "tp": s.tp}
-        return resolve(given, world)
+        degrees = resolve(given, world)
+        expert_parallel.check(ep=s.ep, dp_shard=degrees.dp_shard)
+        return degrees
 
     # ------------------------------------------------------------------------- launch and layout
 
@@ -184,7 +186,6 @@ class Nd(Strategy[NdConfig]):
 
     def check(self, *, plan: Plan, host: HostFacts) -> None:
         degrees = self.degrees(plan.world_size)
-        expert_parallel.check(ep=self.settings.ep, dp_shard=degrees.dp_shard)
         if degrees.pp > 1:
             s = self.settings
             checkpointing = plan.activation_checkpointing
