@@ -124,8 +124,9 @@ class CheckpointKeeper:
         else:
             log.warning(
                 "resuming a run saved with world size %d x accumulate %d as %d x %d: training continues "
-                "from step %d with the same global batch, but the sample order and random streams differ "
-                "from an uninterrupted run",
+                "from step %d on the samples an uninterrupted run would train each step on (an epoch's "
+                "order splits alike over any number of shards), but each rank draws new random streams "
+                "(dropout, augmentation) and sums over ranks and micro-batches in another order",
                 state["world_size"],
                 state["accumulate"],
                 self.ctx.world_size,

@@ -99,8 +99,11 @@ class Engine:
         self._epoch_loss = torch.zeros((), device=device)  # summed over this epoch
         self._epoch_scored = 0  # losses in that sum
         # The whole world's loss sum and count of the epoch a checkpoint was saved in the middle of,
-        # before the save: the resumed epoch adds them to its own, so it averages all its steps.
+        # before the save, and its steps then: the resumed epoch adds them to its own, so it averages
+        # all its steps (weighted by step: a resume on another number of ranks scores more or fewer
+        # losses a step, each the mean of a share of the same global batch).
         self._epoch_before_resume = (0.0, 0.0)
+        self._steps_before_resume = 0
         self._log_loss = torch.zeros((), device=device)  # summed since the last log point
         self._log_count = 0
         self._params = [p for p in model.base.parameters() if p.requires_grad]
@@ -174,6 +177,7 @@ class Engine:
         self._epoch_scored = 0
         if self.pos.step_in_epoch == 0:  # a new epoch; else one resumed midway keeps what came before
             self._epoch_before_resume = (0.0, 0.0)
+            self._steps_before_resume = 0
         steps_per_epoch = self.steps_per_epoch
         remaining = (steps_per_epoch - self.pos.step_in_epoch) * acc
         batches = self.recorder.progress(
@@ -277,6 +281,12 @@ class Engine:
         local = torch.stack([self._epoch_loss, torch.tensor(float(self._epoch_scored), device=self.device)])
         loss_sum, count = distributed.all_reduce_sum(local).tolist()
         before_sum, before_count = self._epoch_before_resume
+        steps_here = self.pos.step_in_epoch - self._steps_before_resume
+        if before_count and count and steps_here > 0 and self._steps_before_resume:
+            # The steps before counted before_count / steps_before losses each, these count / steps_here:
+            # rescaled to this run's count a step, so that every step weighs the same.
+            scale = count / steps_here * self._steps_before_resume / before_count
+            before_sum, before_count = before_sum * scale, before_count * scale
         return loss_sum + before_sum, count + before_count
 
     def _fold(self) -> None:
@@ -298,7 +308,7 @@ class Engine:
             "step": self.pos.step,
             "epoch": self.pos.epoch,
             "step_in_epoch": self.pos.step_in_epoch,
-            "epoch_loss": {"sum": loss_sum, "count": count},
+            "epoch_loss": {"sum": loss_sum, "count": count, "steps": self.pos.step_in_epoch},
             "accumulate": self.settings.accumulate,
             "global_batch": self.settings.global_batch,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
@@ -315,6 +325,8 @@ class Engine:
         # Absent from checkpoints older than it: the epoch's loss then averages its steps after the resume.
         before = state.get("epoch_loss", {"sum": 0.0, "count": 0.0})
         self._epoch_before_resume = (float(before["sum"]), float(before["count"]))
+        # Absent from checkpoints older than it: their steps are weighted by their count, as before.
+        self._steps_before_resume = int(before.get("steps", 0))
 
     def forward_backward(self, inputs: Any, targets: torch.Tensor, *, sync: bool) -> torch.Tensor | None:
         """One micro-batch: forward under autocast, backward of loss/accumulate. Gradient
