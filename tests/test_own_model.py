@@ -240,3 +240,23 @@ def test_a_model_with_tied_weights_trains_like_single(strategy: str, tied_single
     assert newest is not None and newest[1]["model"].keys() == saved.keys()
     ours, theirs = metrics(tmp_path / "run")["final"], metrics(tied_single)["final"]
     assert ours["eval/loss"] == pytest.approx(theirs["eval/loss"], rel=1e-5)
+
+
+SHARED = [*PARITY, "model=mlp", "~model.hidden", "model._target_=tests.user_models.shared_module"]
+
+
+@pytest.mark.multiproc
+def test_a_module_shared_by_two_shard_units_trains_under_fsdp_like_single(tmp_path: Path):
+    """#50 item 18: a Linear module that is a submodule of two stages() blocks crashed every fsdp rank
+    inside DeviceMesh ('Invariant encountered: value was None') after launch: the tie check compared
+    modules by identity, and the shared module is inside both blocks. Tensors are now tied by the
+    paths they are reached by: both blocks go with the root, and fsdp trains single's weights."""
+    runs = {}
+    for strategy in ("single", "fsdp", "fsdp_no_reshard"):
+        result = run_here(tmp_path, f"strategy={strategy}", *SHARED, f"hydra.run.dir={strategy}")
+        assert result.returncode == 0, result
+        runs[strategy] = tmp_path / strategy
+    for strategy in ("fsdp", "fsdp_no_reshard"):
+        assert_close_weights(runs[strategy], runs["single"])
+    model = load_model(runs["fsdp"])
+    assert model.again[0] is model.middle[0]

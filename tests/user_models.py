@@ -41,6 +41,14 @@ def tied(*, num_classes: int, input_shape: list[int]) -> nn.Module:
     return Tied(num_classes=num_classes, input_shape=input_shape)
 
 
+def shared_module(*, num_classes: int, input_shape: list[int]) -> nn.Module:
+    """Tied's blocks sharing the Linear module itself, not only its weight (a decoder reusing the
+    encoder's layer): one module under two paths."""
+    model = Tied(num_classes=num_classes, input_shape=input_shape)
+    model.again[0] = model.middle[0]
+    return model
+
+
 class Misbehaving(nn.Module):
     """A linear model whose training forward number `at_call` on rank `rank` does `action`: `hang`
     (waits for an event nobody sets, as a deadlock does; first it touches the file $MISBEHAVING_MARK,

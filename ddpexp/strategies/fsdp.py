@@ -108,15 +108,15 @@ def units_and_ties(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
 
 
 def _tied_outside(unit: nn.Module, model: nn.Module) -> list[str]:
-    """The model's names, in modules outside `unit`, of tensors that `unit` holds too."""
+    """The model's names, outside `unit`'s paths, of tensors that `unit` holds too: a tied parameter,
+    or a whole module that is a submodule of `unit` and of another part (reached by two paths, it is
+    the same module object on both, so the paths tell them apart, not the modules)."""
     mine = {id(t) for t in [*unit.parameters(), *unit.buffers()]}
-    within = {id(m) for m in unit.modules()}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    return [
-        name
-        for name, t in named
-        if id(t) in mine and id(model.get_submodule(name.rpartition(".")[0])) not in within
+    paths = [
+        f"{name}." if name else "" for name, m in model.named_modules(remove_duplicate=False) if m is unit
     ]
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return [name for name, t in named if id(t) in mine and not any(name.startswith(p) for p in paths)]
 
 
 @dataclass(frozen=True)
