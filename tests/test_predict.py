@@ -560,3 +560,62 @@ def test_a_ring_across_nodes_moves_as_many_adapters_bytes_as_it_has_ranks_on_a_n
     # 8 adapters of 45 GB/s (ib400 x 0.9) would be 360; NVLink 4's 360 GB/s (450 x 0.8) bounds it.
     assert seconds("nvlink4,ib400", 8) == pytest.approx(seconds("nvlink4,ib400", 16))
     assert seconds("pcie4,eth25", 1) == pytest.approx(seconds("pcie4,eth25", 4))
+
+
+OWN_MODEL = """import math
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, *, num_classes, input_shape, width=32):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.ReLU(), nn.Linear(width, num_classes)
+        )
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+
+def test_the_prediction_tools_rebuild_a_model_of_your_own(tmp_path: Path, monkeypatch, capsys):
+    """#50 item 16: a run of model._target_=ownmodel.Net (its module beside the run) is rebuilt by
+    ddpexp-predict started there, as ddpexp ran it; started elsewhere it says in one line, first, that
+    the model's code does not import and how to fix it, instead of Hydra's raw lines and a flat tensor
+    mentioned only under the table. python -m ddpexp.predict.memory drops the replaced option's
+    settings, as ddpexp does, and answers --help."""
+    import sys
+
+    from ddpexp.predict import memory
+    from ddpexp.predict.cli import main as predict_main
+
+    from .conftest import run_here
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "ownmodel.py").write_text(OWN_MODEL)
+    args = ["model._target_=ownmodel.Net", "trainer.max_steps=2", "trainer.epochs=1", "hydra.run.dir=run"]
+    result = run_here(home, *args, "trainer.progress=false")
+    assert result.returncode == 0, result
+    sys.modules.pop("ownmodel", None)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(home))])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert predict_main([str(home / "run"), "--interconnect", "localhost_gloo"]) == 0
+    out = capsys.readouterr()
+    assert out.err.splitlines()[0].startswith("ddpexp-predict: model taken as one flat tensor")
+    assert "ownmodel.Net, does not import here" in out.err and "directory the run was started in" in out.err
+    assert "Error getting callable" not in out.out + out.err
+    monkeypatch.chdir(home)
+    assert predict_main([str(home / "run"), "--interconnect", "localhost_gloo"]) == 0
+    out = capsys.readouterr()
+    assert "flat tensor" not in out.out + out.err
+    assert memory.main(["model._target_=ownmodel.Net"]) == 0
+    out = capsys.readouterr()
+    assert "memory per rank predicted" in out.out and "error" not in out.err
+    assert (
+        memory.main(["--help"]) == 0 and "usage: python -m ddpexp.predict.memory" in capsys.readouterr().out
+    )
+    sys.modules.pop("ownmodel", None)

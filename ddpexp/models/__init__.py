@@ -93,10 +93,10 @@ def _parameters(model_cfg: DictConfig) -> tuple[set[str], bool] | None:
     (instantiate reports that)."""
     import inspect
 
-    from hydra.utils import get_method
+    from hydra._internal.utils import _locate  # get_method would log its failure as an error
 
     try:
-        fn = get_method(model_cfg["_target_"])
+        fn = _locate(model_cfg["_target_"])
         params = inspect.signature(fn).parameters.values()
     except Exception:
         return None  # instantiate() will report the bad target

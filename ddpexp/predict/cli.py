@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "" not in sys.path:  # a run of your own model is rebuilt from this directory, as ddpexp runs it
+        sys.path.insert(0, "")
     args = parser().parse_args(argv)
     try:
         if args.overlap_efficiency is not None and not 0 <= args.overlap_efficiency <= 1:
@@ -87,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             overlap=args.overlap_efficiency,
             calibration=calibration,
         )
+        if predictor.shape.note:  # said first, not only among the assumptions under the table
+            print(f"ddpexp-predict: {predictor.shape.note}", file=sys.stderr)
         points = predictor.points(devices, nodes)
         if not points:
             raise UserError(

@@ -658,6 +658,14 @@ def table(ranks: list[RankMemory]) -> str:
     )
 
 
+USAGE = """usage: python -m ddpexp.predict.memory [KEY=VALUE ...]
+
+Memory per rank (parameters, gradients, optimizer state, activations, peak) predicted for the job the
+overrides make, as `python -m ddpexp` takes them, without running it: e.g.
+  python -m ddpexp.predict.memory model=llama3_1_8b task=lm data=synthetic_tokens strategy=fsdp dist.nprocs=8
+A model of your own: model._target_=mymodule.Net, from the directory that holds mymodule.py."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ddpexp.predict.memory [overrides]`: the prediction for the job the overrides make."""
     import sys
@@ -665,11 +673,16 @@ def main(argv: list[str] | None = None) -> int:
     from .. import composition, validate
     from ..errors import UserError
     from ..plan import HostFacts
+    from ..preflight import replaced_settings
 
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in overrides):
+        print(USAGE)
+        return 0
     try:
         with composition.composer() as compose:
-            cfg = compose(overrides)
+            # model._target_=my.Net replaces the option's builder: its settings go, as ddpexp drops them
+            cfg = compose([*overrides, *replaced_settings([overrides], compose)])
         p = validate.plan(cfg, HostFacts.probe())
         ranks = predict(cfg, world=p.world_size, global_batch=p.global_batch)
     except UserError as exc:

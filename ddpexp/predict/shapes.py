@@ -28,7 +28,10 @@ def model_shape(run: MeasuredRun) -> ModelShape:
     from torch import nn
 
     reason = "no config.yaml at hand"
-    if run.config is not None:
+    unimportable = None if run.config is None else _unimportable(run.config.model.get("_target_"))
+    if unimportable is not None:
+        reason = unimportable
+    elif run.config is not None:
         try:
             from .. import models
             from ..data import build_source
@@ -49,5 +52,26 @@ def model_shape(run: MeasuredRun) -> ModelShape:
         )
     flat = nn.Module()
     flat.weight = nn.Parameter(torch.empty(count, device="meta"))
-    note = f"model taken as one flat tensor of {count:,} parameters ({reason})"
+    note = (
+        f"model taken as one flat tensor of {count:,} parameters ({reason}): its bytes stay right, FSDP's "
+        "padding, buckets and stages do not"
+    )
     return ModelShape(flat, None, torch.float32, note)
+
+
+def _unimportable(target: object) -> str | None:
+    """Why the model's builder `target` (model._target_) does not import here, or None where it does."""
+    if not isinstance(target, str):
+        return None
+    from hydra._internal.utils import _locate
+
+    try:
+        _locate(target)
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        why = f"{type(cause).__name__}: {' '.join(str(cause).split())[:80]}"
+        return (
+            f"its code, {target}, does not import here ({why}): run ddpexp-predict from the directory "
+            "the run was started in, or put its module on PYTHONPATH"
+        )
+    return None
