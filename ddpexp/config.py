@@ -157,6 +157,10 @@ class DistConfig:
     # processes on a few cores stall the machine rather than train). Workers that cannot fit in the
     # memory available are refused all the same.
     oversubscribe: bool = False
+    # Refuse, before anything starts, a run whose ranks on this machine cannot hold their model states
+    # (parameters, gradients, optimizer state: the memory model's count) in its available memory.
+    # false: start anyway (memory freed meanwhile, or swap you mean to use).
+    memory_check: bool = True
 
 
 @dataclass

@@ -134,3 +134,11 @@ def build_schedule(
         return None
     plain = SimpleNamespace(**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))  # type: ignore[arg-type]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(plain, step, total_steps))
+
+
+def optimizer_states(optim_cfg: Any) -> int:
+    """State tensors the optimizer keeps per parameter, each the parameter's size: SGD's momentum
+    buffer (none without momentum), AdamW's two moments."""
+    if str(optim_cfg.name) == "sgd":
+        return 1 if optim_cfg.momentum else 0
+    return 2

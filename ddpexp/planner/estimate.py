@@ -222,7 +222,8 @@ def estimate(
 ) -> Estimate:
     """One candidate on `cluster`: memory, step time, throughput, MFU, bytes, time and cost to target.
     Pre-flight is the caller's (`preflight`, once per mesh)."""
-    from ..predict.memory import optimizer_states, predict
+    from ..optim import optimizer_states
+    from ..predict.memory import predict
     from ..strategies.comm import Workload
 
     cfg = config_for(job, candidate)

@@ -92,14 +92,6 @@ def model_states(held: Held, per_parameter: StateBytes, element_size: int) -> Mo
     return ModelStates(params, grads, optimizer, priced(alive, per_parameter.params) + grads + optimizer)
 
 
-def optimizer_states(optim_cfg: Any) -> int:
-    """State tensors per parameter, each the parameter's size: SGD's momentum buffer (none without
-    momentum), AdamW's two moments."""
-    if str(optim_cfg.name) == "sgd":
-        return 1 if optim_cfg.momentum else 0
-    return 2
-
-
 @dataclass(frozen=True)
 class RankMemory:
     """Predicted bytes of one rank, by category."""
@@ -170,8 +162,8 @@ def predict(
     from omegaconf import OmegaConf
 
     from .. import strategies
-    from ..config import Precision
     from ..data import build_source
+    from ..optim import optimizer_states
     from ..strategies.comm import Workload
 
     info = build_source(cfg.data).info()
@@ -181,19 +173,7 @@ def predict(
     on_meta = model is not None
     if model is None:
         model = runner.build()
-    job = Workload(
-        model=model,
-        devices=world,
-        world=world,
-        nodes=nodes,
-        global_batch=global_batch,
-        accumulate=int(cfg.trainer.accumulate),
-        input_shape=tuple(info.input_shape),
-        input_dtype=torch.long if info.vocab_size is not None else torch.float32,
-        precision=Precision.of(cfg.trainer.precision).name,
-        activation_checkpointing=str(cfg.trainer.activation_checkpointing),
-        fp8_all_gather=bool(cfg.trainer.get("fp8_all_gather", False)),
-    )
+    job = Workload.of(cfg, info, model, world=world, global_batch=global_batch, nodes=nodes)
     held = strategy.held(job=job)
     # Split copies run as rank 0 of a fake group: a rank's place on the mesh changes only which chunk of
     # an uneven split it holds.

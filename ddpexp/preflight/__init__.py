@@ -25,10 +25,10 @@ from ..validate import check_split_sizes, plan
 from .machine import (
     check_cpu_processes,
     check_download,
+    check_host_memory,
     check_init_file,
     check_master_addr,
     check_port,
-    check_worker_memory,
 )
 from .outputs import check_output_dir, check_run_dir, check_sweep_dir
 from .resuming import check_auto_resume, check_optimizer_state
@@ -233,8 +233,7 @@ def check_job(
         check_split_sizes(info.train_samples, info.eval_samples, p, cfg)
     model = check_model(cfg.model, info, cfg)
     check_launch(cfg, p, joining=joining)
-    if p.launcher == "spawn":
-        check_worker_memory(p, model)
+    check_host_memory(cfg, p, model, info)
     faults.check(p.world_size, os.environ.get(FAULT_ENV), schedule=_schedule(cfg, p, info))
     from ..weights import check_initial, check_resume
 

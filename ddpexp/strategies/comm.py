@@ -336,6 +336,28 @@ class Workload:
     activation_checkpointing: str = "none"
     fp8_all_gather: bool = False  # trainer.fp8_all_gather: FSDP gathers the float8 layers' weights in float8
 
+    @classmethod
+    def of(
+        cls, cfg: Any, info: Any, model: nn.Module, *, world: int, global_batch: int, nodes: int = 1
+    ) -> Workload:
+        """The job a composed config (or a run's config.yaml) describes, for its data's `info`, on
+        `model` (on the meta device), at `world` ranks on `nodes` machines and `global_batch`."""
+        from ..config import Precision
+
+        return cls(
+            model=model,
+            devices=world,
+            world=world,
+            nodes=nodes,
+            global_batch=global_batch,
+            accumulate=int(cfg.trainer.accumulate),
+            input_shape=tuple(info.input_shape),
+            input_dtype=torch.long if info.vocab_size is not None else torch.float32,
+            precision=Precision.of(cfg.trainer.precision).name,
+            activation_checkpointing=str(cfg.trainer.activation_checkpointing),
+            fp8_all_gather=bool(cfg.trainer.get("fp8_all_gather", False)),
+        )
+
     @property
     def gathers_float8(self) -> bool:
         """Whether FSDP gathers the float8 layers' weights in float8 (fp8_all_gather under fp8)."""
