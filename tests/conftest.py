@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,18 @@ def hydra_conf():
     with initialize_config_dir(config_dir=conf_dir(), version_base="1.3"):
         yield
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(autouse=True)
+def no_prediction_process_group() -> Iterator[None]:
+    """A memory prediction leaves its fake process group in this process for the next prediction
+    (predict/memory.py); a later test on the same pytest-xdist worker that starts a process group of
+    its own (world_of_one) then found one in force. Each test ends without it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
 
 
 @pytest.fixture
