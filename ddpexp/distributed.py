@@ -63,6 +63,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def wait_for(work: Any) -> None:
+    """Wait for a collective started asynchronously (a Work or Future). Every such wait of ddpexp's
+    goes through here: Work.wait() is C++, and a hung run's stacks show this frame where a rank waits
+    for its peers (launch/blame.py), not the caller's line as if the rank were busy there."""
+    work.wait()
+
+
 def world_size() -> int:
     return dist.get_world_size() if _in_force() else 1
 

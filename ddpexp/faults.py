@@ -7,6 +7,11 @@
     DDPEXP_FAULT=rank0:step5:preempt        the job's launcher (the run's own process in-process) gets
                                             SIGUSR1 there, as from Slurm's --signal: with
                                             trainer.checkpoint_on_signal the run saves and stops
+    DDPEXP_FAULT=rank1:step5:hang_forward   rank 1's next training forward after step 5 never returns: it
+                                            waits forever in the model's first leaf module (a deadlock
+                                            in the model's own code), under any strategy
+    DDPEXP_FAULT=rank1:step5:hang_backward  the same in its backward: a hook on that module's output
+                                            never returns (a gradient hook that deadlocks)
 
 A fault fires in the first attempt only, so a run with dist.max_restarts (or torchrun --max-restarts)
 shows the recovery. It comes from the environment (read by pre-flight and RunContext), never from the
@@ -28,7 +33,8 @@ from .errors import UserError
 log = logging.getLogger(__name__)
 
 ENV = "DDPEXP_FAULT"
-ACTIONS = ("raise", "kill", "kill_in_save", "preempt")
+ACTIONS = ("raise", "kill", "kill_in_save", "preempt", "hang_forward", "hang_backward")
+HANGS = ("hang_forward", "hang_backward")
 _SPEC = re.compile(r"^rank(\d+):step(\d+):(\w+)$")
 
 
@@ -60,9 +66,41 @@ class Fault:
         if self.action == "preempt":
             os.kill(self.job_pid or os.getpid(), signal.SIGUSR1)
             return
+        if self.action in HANGS:
+            _hang_in_the_model(backward=self.action == "hang_backward")
+            return
         for handler in logging.getLogger().handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hang_in_the_model(*, backward: bool) -> None:
+    """Arm a hang in the next training forward of any module with no children (whatever the strategy
+    made of the model, its own leaves still run on the rank that holds them): a global hook, so it
+    reaches modules a strategy has wrapped, split or replaced."""
+    import threading
+
+    import torch
+    from torch.nn.modules import module as nn_module
+
+    def never_returns(*_: object) -> None:
+        threading.Event().wait()
+
+    def forward_hook(module: torch.nn.Module, _args: object, output: object = None) -> None:
+        if not module.training or next(module.children(), None) is not None:
+            return
+        if backward:
+            if not (isinstance(output, torch.Tensor) and output.requires_grad):
+                return
+            output.register_hook(never_returns)
+        handle.remove()
+        if not backward:
+            never_returns()
+
+    if backward:
+        handle = nn_module.register_module_forward_hook(forward_hook)
+    else:
+        handle = nn_module.register_module_forward_pre_hook(forward_hook)
 
 
 def parse(spec: str) -> Fault:
@@ -89,10 +127,11 @@ def check(world_size: int, spec: str | None, *, schedule: Schedule | None = None
         )
     if schedule is None:
         return
-    if fault.step > schedule.total:
+    last = schedule.total - 1 if fault.action in HANGS else schedule.total  # a hang is in the next step
+    if fault.step > last:
         raise UserError(
             f"{ENV}={spec!r} can never fire: the run takes {schedule.total} optimizer steps",
-            fix=f"name a step <= {schedule.total}, or train longer",
+            fix=f"name a step <= {last}, or train longer",
         )
     saves = schedule.save_steps()
     if fault.action == "kill_in_save" and fault.step not in saves:

@@ -91,6 +91,11 @@ class Heartbeat:
             cell[BEATS] += 1
             cell[STEP] = step
 
+    def reached(self, step: int) -> None:
+        """An optimizer step is done: a rank that hangs in the next one is reported in that one."""
+        if self._cell is not None:
+            self._cell[STEP] = step
+
     def forward_done(self) -> None:
         cell = self._cell
         if cell is not None:

@@ -27,7 +27,8 @@ from .errors import NothingToDo, UserError
 from .interrupts import Interrupted
 from .job import Job, Outcome
 from .launch import warmup
-from .launch.supervise import STOP_SIGNALS, error_summary, read_error, signals_ignored, stops_raise
+from .launch.error_records import error_summary, read_error
+from .launch.supervise import STOP_SIGNALS, signals_ignored, stops_raise
 from .plan import ExternalWorld
 from .recorder import finish_metrics, settle_lost
 from .runrecord import METRICS_FILE, read_run_record_or_none

@@ -324,6 +324,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(
         # the README's old example: digits at batch 64 on 2 ranks saves at steps 22, 44, ... only
         ("rank0:step10:kill_in_save", ["no checkpoint is saved at step 10", "22"]),
         ("rank1:step99999:raise", ["can never fire", "takes 220 optimizer steps"]),
+        ("rank1:step220:hang_forward", ["can never fire", "name a step <= 219"]),  # hangs in the next
     ],
 )
 def test_a_malformed_fault_is_refused(tmp_path: Path, monkeypatch, capsys, spec: str, words: list[str]):

@@ -120,6 +120,36 @@ def test_a_rank_hung_in_its_own_python_code_is_blamed_not_the_peer_waiting_for_i
     assert metrics(tmp_path / "run")["error"].startswith("rank 1: hung at step "), metrics(tmp_path / "run")
 
 
+LM = ["model=gpt_tiny", "data=python_stdlib", "task=lm", "trainer.progress=false", "trainer.epochs=500"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fault"),
+    [
+        ([*LM, "strategy=nd", "strategy.tp=2"], "rank1:step3:hang_forward"),
+        ([*LM, "strategy=nd", "strategy.tp=2"], "rank0:step3:hang_backward"),
+        ([*LONG, "strategy=pipeline"], "rank1:step3:hang_forward"),
+        ([*LONG, "strategy=ddp"], "rank1:step3:hang_backward"),
+    ],
+    ids=["tp-forward-rank1", "tp-backward-rank0", "pipeline-stage2-forward", "ddp-gradient-hook"],
+)
+def test_a_rank_hung_where_no_count_tells_it_apart_is_blamed_by_its_stack(
+    tmp_path: Path, args: list[str], fault: str
+):
+    """A rank that never returns from a tensor-parallel block, a pipeline stage's forward or a hook
+    in its backward has done as many forwards as its peers, which wait for it in a collective: its
+    stack (in its own code, theirs in torch.distributed or the autograd engine) names it."""
+    rank = int(fault[4])
+    run = Watched(tmp_path, [*args, "hydra.run.dir=run", "dist.hang_timeout_s=5"], fault=fault)
+    code, _out, err = run.finish(timeout=150)
+    assert code == 1, err
+    first = err.splitlines()[0]
+    assert first.startswith(f"ddpexp: rank {rank} of 2 hung at step 4 (no progress for "), err
+    assert "in never_returns (" in first and "while every other rank waits in a collective" in first, first
+    run.assert_nothing_left()
+    assert metrics(tmp_path / "run")["error"].startswith(f"rank {rank}: hung at step 4 ")
+
+
 def test_a_rank_that_exits_without_raising_is_blamed_with_its_exit_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

@@ -14,6 +14,7 @@ import pytest
 from ddpexp import interrupts
 from ddpexp.heartbeat import BEATS, SIZE, SLOW, Heartbeat, Pulse
 from ddpexp.interrupts import Interrupted
+from ddpexp.launch import blame
 from ddpexp.launch.supervise import Supervisor, Watch, Worker, sigterm_raises
 
 
@@ -98,7 +99,8 @@ def test_start_up_and_checkpoints_get_patience_not_the_hang_timeout():
     assert cells[0][BEATS] == 1
 
 
-def test_the_report_names_the_hung_rank_its_step_and_its_log(tmp_path: Path):
+def test_a_tie_the_stacks_cannot_break_names_every_rank_it_could_be(tmp_path: Path):
+    """Equal progress and no stack to read (here: the processes are gone): no rank is picked silently."""
     workers, cells = _workers(2)
     for w in workers:
         w.log_path = tmp_path / "logs" / f"rank{w.rank}.log"
@@ -108,10 +110,145 @@ def test_the_report_names_the_hung_rank_its_step_and_its_log(tmp_path: Path):
     sup._hung(workers, now=0.0)
     sup.hang = sup._hung(workers, now=12.0)
     cause = sup._root_cause()
-    assert (cause.who, cause.user_error) == ("rank 0", False)
+    assert (cause.who, cause.user_error) == ("ranks 0 and 1", False)
     assert cause.summary == (
-        "hung at step 57 (no progress for 12 s); its stack is in logs/rank0.log, its peers' in theirs"
+        "hung at step 57 (no progress for 12 s); which of them hung first cannot be told: no stack could "
+        "be read, and they are equally far along; their stacks are in logs/rank0.log, logs/rank1.log"
     )
+
+
+SITE = "/venv/lib/python3.11/site-packages"
+STDLIB = f"{blame._STDLIB}/lib/python3.11"
+WORKER_BASE = [  # the outer frames of every worker's main thread
+    ("/src/ddpexp/engine/__init__.py", 215, "train_epoch"),
+    ("/src/ddpexp/launch/worker.py", 260, "main"),
+    (f"{STDLIB}/multiprocessing/forkserver.py", 274, "main"),
+    ("<string>", 1, "<module>"),
+]
+OTHER_THREAD = [  # tensorboard's writer thread, say
+    (f"{STDLIB}/threading.py", 331, "wait"),
+    (f"{STDLIB}/queue.py", 180, "get"),
+    (f"{STDLIB}/threading.py", 1002, "_bootstrap"),
+]
+HUNG_IN_OWN_CODE = [
+    (f"{STDLIB}/threading.py", 327, "wait"),
+    ("/src/tests/user_models.py", 72, "forward"),
+    (f"{SITE}/torch/nn/modules/module.py", 1794, "_call_impl"),
+    ("/src/ddpexp/engine/__init__.py", 343, "forward_backward"),
+]
+WAITING = {
+    "ddp's all-reduce, inside the backward": [
+        (f"{SITE}/torch/autograd/graph.py", 1072, "_engine_run_backward"),
+        (f"{SITE}/torch/_tensor.py", 623, "backward"),
+    ],
+    "a tensor-parallel all-gather (under ddpexp's meter)": [
+        (f"{SITE}/torch/_ops.py", 1350, "__call__"),
+        (f"{SITE}/torch/distributed/_functional_collectives.py", 142, "wait_tensor"),
+        ("/src/ddpexp/strategies/nd/tensor_parallel.py", 206, "__torch_dispatch__"),
+    ],
+    "a pipeline's receive": [
+        (f"{SITE}/torch/distributed/pipelining/schedules.py", 849, "_wait_batch_p2p"),
+        ("/src/ddpexp/strategies/pipeline/stage.py", 326, "train_step"),
+    ],
+    "ddpexp's own asynchronous collective": [
+        ("/src/ddpexp/distributed.py", 70, "wait_for"),
+        ("/src/ddpexp/strategies/naive_allreduce.py", 215, "_exchange"),
+    ],
+}
+
+
+def _dump(main: list[tuple[str, int, str]], *, other: bool = True) -> str:
+    """What faulthandler writes for a worker: other threads first, the main thread last."""
+
+    def block(header: str, frames: list[tuple[str, int, str]]) -> str:
+        return header + "".join(f'  File "{p}", line {n} in {f}\n' for p, n, f in frames)
+
+    text = (
+        block("Thread 0x00007f8d090526c0 (most recent call first):\n", OTHER_THREAD) + "\n" if other else ""
+    )
+    return (text if other else "") + block(
+        "Current thread 0x00007f8ddb5ecb80 (most recent call first):\n", main + WORKER_BASE
+    )
+
+
+@pytest.mark.parametrize("case", list(WAITING))
+def test_a_rank_waiting_for_its_peers_is_told_from_one_stuck_in_its_own_code(case: str):
+    waiting = blame.where(blame.main_thread("log lines\n" + _dump(WAITING[case])))
+    assert waiting.waiting, case
+    hung = blame.where(blame.main_thread(_dump(HUNG_IN_OWN_CODE)))
+    assert not hung.waiting and str(hung.frame) == "forward (/src/tests/user_models.py:72)"
+    # a data read stuck in torch's loader is the rank's own business too
+    reading = [(f"{SITE}/torch/utils/data/dataloader.py", 1200, "_next_data")]
+    assert not blame.where(blame.main_thread(_dump(reading))).waiting
+
+
+def test_only_a_whole_main_thread_is_read():
+    text = _dump(HUNG_IN_OWN_CODE)
+    assert blame.main_thread(text[: text.index("<module>")]) is None  # still being written
+    assert blame.main_thread(_dump(HUNG_IN_OWN_CODE, other=False).replace("<module>", "run")) is None
+    older, newer = _dump(WAITING["a pipeline's receive"]), _dump(HUNG_IN_OWN_CODE)
+    frames = blame.main_thread(older + "\n" + newer)
+    assert frames is not None and frames[1].path == "/src/tests/user_models.py"  # the last dump counts
+
+
+def test_the_rank_in_its_own_code_is_blamed_whatever_the_counts_say(tmp_path: Path, monkeypatch):
+    """Rank 1 hangs in a gradient hook (its forward returned, as rank 0's did): equal progress, but its
+    stack is in its own code while rank 0's waits in the all-reduce."""
+    workers, cells = _workers(2)
+    for w in workers:
+        w.log_path = tmp_path / "logs" / f"rank{w.rank}.log"
+        w.log_path.parent.mkdir(exist_ok=True)
+        w.log_path.write_text("earlier lines\n")
+    stacks = {
+        2**22: _dump(WAITING["ddp's all-reduce, inside the backward"]),
+        2**22 + 1: _dump(HUNG_IN_OWN_CODE),
+    }
+
+    def kill(pid: int, sig: int) -> None:  # each rank's faulthandler answers into its log
+        if sig == signal.SIGUSR2:
+            with open(tmp_path / "logs" / f"rank{pid - 2**22}.log", "a") as f:
+                f.write(stacks[pid])
+
+    monkeypatch.setattr("ddpexp.launch.supervise.os.kill", kill)
+    sup = Supervisor(tmp_path, workers, facts={}, watch=Watch(hang_s=10, patience_s=100))
+    for cell in cells:
+        Heartbeat(cell).beat(56)
+        Heartbeat(cell).forward_done()
+    sup._hung(workers, now=0.0)
+    sup.hang = sup._hung(workers, now=12.0)
+    cause = sup._root_cause()
+    assert cause.who == "rank 1"
+    assert cause.summary == (
+        "hung at step 57 (no progress for 12 s): in forward (/src/tests/user_models.py:72), while every "
+        "other rank waits in a collective; its stack is in logs/rank1.log, its peers' in theirs"
+    )
+
+
+@pytest.mark.parametrize(
+    ("places", "progress", "blamed"),
+    [
+        (["wait", "own"], [3, 3], 1),
+        (["own", "wait", "wait"], [5, 3, 3], 0),  # in its own code beats being behind
+        (["own", "own"], [2, 3], 0),  # both in their own code: the one behind
+        (["wait", "wait"], [3, 2], 1),  # every one waits: the one behind
+        (["wait", "wait"], [3, 3], None),  # nothing tells them apart
+        (["own", "own", "wait"], [3, 3, 1], None),
+        ([None, None], [3, 3], None),
+    ],
+)
+def test_the_verdict(places: list[str | None], progress: list[int], blamed: int | None):
+    own = blame.Where(waiting=False, frame=None)
+    wait = blame.Where(waiting=True, frame=None)
+    suspects = [
+        blame.Suspect(r, p, False, {"own": own, "wait": wait, None: None}[w])
+        for r, (w, p) in enumerate(zip(places, progress, strict=True))
+    ]
+    verdict = blame.choose(suspects)
+    assert verdict.rank == blamed
+    if blamed is None:
+        assert len(verdict.among) >= 2 and "equally far along" in verdict.reason
+    stopped = [blame.Suspect(0, 1, False, own), blame.Suspect(1, 5, True, wait)]
+    assert blame.choose(stopped).rank == 1  # the OS says which
 
 
 class _Exited:
@@ -126,7 +263,7 @@ class _Exited:
 def test_a_rank_that_exits_without_a_record_is_the_cause_not_the_peer_that_recorded_the_reset(tmp_path: Path):
     """Rank 1 leaves by os._exit(3); rank 0's collective fails with "Connection reset by peer" and it
     records that (before the launcher, polling, has even seen rank 1 go). Rank 1 is the cause."""
-    from ddpexp.launch.supervise import error_file
+    from ddpexp.launch.error_records import error_file
 
     workers = [
         Worker(rank=r, proc=_Exited(2**22 + r, code), log_path=tmp_path / f"rank{r}.log", exit_time=t)
@@ -145,7 +282,7 @@ def test_a_rank_s_own_error_beats_a_peer_s_lost_connection_recorded_before_it(tm
     """Rank 0 runs out of disk writing a dp 2 x tp 2 checkpoint; its peers' collectives see the
     connection close some 30 ms before rank 0 records its OSError. Every rank exited 1 with a record:
     the earliest was rank 1's "Connection closed by peer". Rank 0's own failure is the cause."""
-    from ddpexp.launch.supervise import error_file
+    from ddpexp.launch.error_records import error_file
 
     workers = [
         Worker(rank=r, proc=_Exited(2**22 + r, 1), log_path=tmp_path / f"rank{r}.log", exit_time=10.1)

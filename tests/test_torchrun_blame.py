@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddpexp.launch import torchrun
-from ddpexp.launch.supervise import error_file
+from ddpexp.launch.error_records import error_file
 from ddpexp.recorder import new_metrics, write_metrics
 
 AGENT, OUTSIDE = 4242, 777

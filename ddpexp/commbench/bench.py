@@ -216,7 +216,7 @@ class Case:
                 dist.P2POp(dist.irecv, received, (rank - 1) % world),
             ]
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                distributed.wait_for(work)
 
         return cls(sendrecv, (sent,), received, pattern((rank - 1) % world, elements))
 

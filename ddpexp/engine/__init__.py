@@ -225,6 +225,7 @@ class Engine:
                 comm.end_step()
             steps += 1
             step = self.pos.step
+            self.heartbeat.reached(step)
             if step % log_every == 0:
                 self._log_train()
             elif len(pending) >= FOLD_EVERY:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # kept light: the command line imports launch.torchrun before
 
 def run(job: Job) -> int:
     """Run one job to its exit code, the way its plan says."""
-    from .supervise import set_aside_errors
+    from .error_records import set_aside_errors
 
     set_aside_errors(job.run_dir)  # an earlier command's records (a resumed run) explain nothing now
     if job.plan.launcher == "torchrun":
@@ -45,7 +45,8 @@ def run_inprocess(job: Job) -> int:
     import torch
 
     from ..context import RunContext
-    from .supervise import CHECKPOINT_SIGNALS, STOP_SIGNALS, checkpoint_then_stop, error_file, sigterm_raises
+    from .error_records import error_file
+    from .supervise import CHECKPOINT_SIGNALS, STOP_SIGNALS, checkpoint_then_stop, sigterm_raises
     from .worker import execute, run_guarded
 
     ctx = RunContext.in_this_process(job)

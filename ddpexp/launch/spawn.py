@@ -29,7 +29,8 @@ from ..errors import UserError
 from ..heartbeat import Pulse, shared_cell
 from ..job import Job
 from . import rendezvous
-from .supervise import Supervisor, Watch, Worker, set_aside_errors
+from .error_records import set_aside_errors
+from .supervise import Supervisor, Watch, Worker
 from .warmup import callers_script_hidden, forkserver_context, server_pid
 from .worker import INIT_URL_ENV, WorkerSpec, forked_main
 

@@ -9,10 +9,10 @@ Supervision is what keeps a distributed run from hanging or leaking processes:
   cause, reported as such, never the peers that lost their connection to it;
 - a worker that exits without an error record (os._exit, exit() in an extension) is the cause, with
   its exit code, never the peer whose connection it reset;
-- a rank whose heartbeat stops (ddpexp/heartbeat.py) is declared hung after dist.hang_timeout_s: of
-  the ranks that stopped together, the one that made the least progress (still in its forward while
-  its peers wait in a collective for it); every rank's stack goes to its log (faulthandler, on
-  STACK_SIGNAL), the run stops and names it;
+- a rank whose heartbeat stops (ddpexp/heartbeat.py) is declared hung after dist.hang_timeout_s:
+  every rank's stack goes to its log (faulthandler, on STACK_SIGNAL), and of the ranks that stopped
+  together the one in code of its own while its peers wait in a collective for it is named (see
+  launch/blame.py), or, where their stacks cannot tell, the ranks it could be; the run stops;
 - the forkserver the workers are forked from, if it dies, takes every worker with it: it is named.
 """
 
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -38,11 +36,13 @@ from ..errors import UserError
 from ..heartbeat import STOP_NOW, Heartbeat, Pulse
 from ..procstat import how_it_ended, is_stopped, start_time
 from ..recorder import METRICS_FILE, finish_metrics
+from . import blame
+from .error_records import error_summary, first_cause, read_error
 
 POLL_S = 0.05
 GRACE_S = 5.0
 STACK_SIGNAL = signal.SIGUSR2  # a worker dumps every thread's Python stack into its log on it
-STACK_WAIT_S = 1.0
+STACK_WAIT_S = 10.0  # at most, for every rank's stack to reach its log (each takes milliseconds)
 # Exit codes of a worker whose sigterm_raises/KeyboardInterrupt handling ended it (128 + signal).
 SIGNAL_EXITS = {128 + signal.SIGTERM: signal.SIGTERM, 128 + signal.SIGINT: signal.SIGINT}
 
@@ -143,60 +143,6 @@ def handling(signals: tuple[int, ...], handler: Any) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def error_file(run_dir: Path, rank: int) -> Path:
-    """Where a worker leaves the record of the exception that ended it (read by the supervisor)."""
-    return run_dir / "logs" / f"rank{rank}.error.json"
-
-
-def read_error(run_dir: Path, rank: int) -> dict[str, Any] | None:
-    """The error record `rank` left (written atomically, so whole), or None when it left none."""
-    try:
-        record: dict[str, Any] = json.loads(error_file(run_dir, rank).read_text())
-    except FileNotFoundError:
-        return None
-    return record
-
-
-# What a rank's collective says when a peer went away: an echo of another rank's failure, never a
-# cause while a record of a rank's own failure exists (gloo's and NCCL's words).
-LOST_PEER = (
-    "closed by peer",
-    "reset by peer",
-    "Broken pipe",
-    "communicator was aborted",
-    "remote process exited",
-)
-
-
-def first_cause(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The error record that explains a failure: the earliest of the ranks' own failures, a lost peer
-    only where no rank recorded one (the peers of a rank that fails while writing, say a full disk,
-    see their connection close moments before it records why)."""
-    own = [r for r in records if not any(words in r["message"] for words in LOST_PEER)]
-    return min(own or records, key=lambda r: r["time"])
-
-
-def error_summary(record: dict[str, Any]) -> str:
-    """How an error record reads after "rank N": a user error's own line, else `failed: Type: message`."""
-    return record["message"] if record["user_error"] else f"failed: {record['type']}: {record['message']}"
-
-
-def set_aside_errors(run_dir: Path) -> None:
-    """The error records an earlier attempt left (a restarted group's, or an earlier command's in this
-    run dir) move aside to rank<N>.attempt<K>.error.json, K the first free number: a failure is
-    explained by its own attempt's records only."""
-    logs = run_dir / "logs"
-    for path in sorted(logs.glob("rank*.error.json")):
-        m = re.fullmatch(r"rank(\d+)\.error\.json", path.name)
-        if m is None:
-            continue
-        k = 0
-        while (aside := logs / f"rank{m[1]}.attempt{k}.error.json").exists():
-            k += 1
-        with contextlib.suppress(FileNotFoundError):  # another node's launcher, on a shared disk
-            path.rename(aside)
-
-
 class Child(Protocol):
     """The members of a child process the supervisor uses (subprocess.Popen has them too)."""
 
@@ -237,7 +183,8 @@ class Preempt:
 
 @dataclass(frozen=True)
 class Hang:
-    worker: Worker
+    verdict: blame.Verdict
+    worker: Worker | None  # the rank blamed; None where the stacks cannot tell which
     step: int
     quiet_s: float
 
@@ -337,8 +284,7 @@ class Supervisor:
             if failed is None and self.signal_received is None and self.hang is None:
                 self.hang = self._hung(running, now)
                 if self.hang is not None:
-                    self._dump_stacks(running)
-                    failed = self.hang.worker
+                    failed = self.hang.worker or running[0]
             if self.preempt is not None and now - self.preempt.since > self._preempt_patience():
                 self.signal_received = self.preempt.signum  # the checkpoint never came: stop now
             if (failed is not None or self.signal_received is not None) and self.stopping_since is None:
@@ -364,11 +310,11 @@ class Supervisor:
         return self.watch.patience_s if self.watch is not None else 600.0
 
     def _hung(self, running: list[Worker], now: float) -> Hang | None:
-        """The rank to blame when some rank's heartbeat has stopped for longer than allowed. Its peers
-        soon stop too (they wait for it in a collective), so: a rank the OS shows as stopped (SIGSTOP,
-        a debugger) if any; else the one that made the least progress (a rank stuck in its forward has
-        not reached the collective its peers wait in: they are a phase ahead of it, see
-        Heartbeat.forward_done); among equals, the one whose heartbeat stopped first."""
+        """Whether some rank's heartbeat has stopped for longer than allowed, and whom to blame: its
+        peers soon stop too (they wait for it in a collective), so every rank's stack is read and
+        blame.choose decides. A rank the OS shows as stopped (SIGSTOP, a debugger) is hung whatever
+        phase it was in, and the one to blame even while a peer that beat a moment before it crosses
+        hang_s first."""
         if self.watch is None:
             return None
         pulses = [(w, w.pulse) for w in running if w.pulse is not None]
@@ -378,8 +324,6 @@ class Supervisor:
         quiet = [(w, p) for w, p in pulses if p.quiet_for(now) > hang_s]
         if not quiet:
             return None
-        # Stopped by the OS: hung whatever phase it was in (start-up and checkpoints get patience_s),
-        # and the one to blame even while a peer that beat a moment before it crosses hang_s first.
         stopped = [(w, p) for w, p in pulses if is_stopped(w.proc.pid)]
         if stopped:
             stopped = [(w, p) for w, p in stopped if p.quiet_for(now) > hang_s]
@@ -387,17 +331,42 @@ class Supervisor:
                 return None
         elif not any(p.quiet_for(now) > p.limit(hang_s, patience_s) for _, p in quiet):
             return None
-        w, pulse = stopped[0] if stopped else min(pulses, key=lambda wp: (wp[1].progress, wp[1].changed_at))
-        return Hang(worker=w, step=pulse.step + 1, quiet_s=pulse.quiet_for(now))
+        progress = {w.rank: p.progress for w, p in pulses}  # before the stacks: SIGCONT lets one go on
+        stopped_ranks = {w.rank for w, _ in stopped}
+        places = self._dump_stacks(running)
+        verdict = blame.choose(
+            [blame.Suspect(r, progress[r], r in stopped_ranks, places.get(r)) for r in progress]
+        )
+        worker = next((w for w in running if w.rank == verdict.rank), None)
+        pulse = next((p for w, p in pulses if w is worker), None) or min(
+            (p for _, p in pulses), key=lambda p: p.step
+        )
+        return Hang(verdict=verdict, worker=worker, step=pulse.step + 1, quiet_s=pulse.quiet_for(now))
 
-    def _dump_stacks(self, running: list[Worker]) -> None:
-        """Ask every rank for its Python stack (a stopped one is continued to answer), then give them
-        a moment to write them: the hung rank's shows where it is stuck, its peers' where they wait."""
+    def _dump_stacks(self, running: list[Worker]) -> dict[int, blame.Where | None]:
+        """Ask every rank for its Python stack (a stopped one is continued to answer) and read where
+        each one's main thread is, as soon as all have written it (None for a rank that could not)."""
+        offsets = {w.rank: _size(w.log_path) for w in running}
+        places: dict[int, blame.Where | None] = {}
         for w in running:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
+            try:
                 os.kill(w.proc.pid, STACK_SIGNAL)
                 os.kill(w.proc.pid, signal.SIGCONT)
-        time.sleep(STACK_WAIT_S)
+            except (ProcessLookupError, PermissionError):
+                places[w.rank] = None  # gone (or not ours): no stack will come
+        deadline = time.time() + STACK_WAIT_S
+        while True:
+            for w in running:
+                if w.rank in places:
+                    continue
+                frames = blame.main_thread(_read(w.log_path, offsets[w.rank]))
+                if frames is not None:
+                    places[w.rank] = blame.where(frames)
+                elif w.proc.poll() is not None:
+                    places[w.rank] = None
+            if len(places) == len(running) or time.time() > deadline:
+                return places
+            time.sleep(POLL_S)
 
     def _kill_all(self, sig: int) -> None:
         for w in self.workers:
@@ -452,11 +421,19 @@ class Supervisor:
                 return Cause(who, how, line=f"the workers' {who} {said}, and every rank with it")
         if self.hang is not None:
             h = self.hang
+            hung = f"hung at step {h.step} (no progress for {h.quiet_s:.0f} s)"
+            if h.worker is None:
+                among = h.verdict.among
+                logs = ", ".join(f"logs/rank{r}.log" for r in among)
+                return Cause(
+                    f"ranks {', '.join(map(str, among[:-1]))} and {among[-1]}",
+                    f"{hung}; which of them hung first cannot be told: {h.verdict.reason}; "
+                    f"their stacks are in {logs}",
+                )
             log = h.worker.log_path.relative_to(self.run_dir)
             return Cause(
                 f"rank {h.worker.rank}",
-                f"hung at step {h.step} (no progress for {h.quiet_s:.0f} s); its stack is in {log}, "
-                "its peers' in theirs",
+                f"{hung}: {h.verdict.reason}; its stack is in {log}, its peers' in theirs",
             )
         records = {w.rank: r for w in self.workers if (r := read_error(self.run_dir, w.rank)) is not None}
         stop = self.stopping_since if self.stopping_since is not None else float("inf")
@@ -491,12 +468,22 @@ class Supervisor:
         return Cause(f"rank {w.rank}", summary, tail(w.log_path, start=w.log_from))
 
 
-def tail(path: Path, lines: int = 30, *, start: int = 0) -> str:
-    """The last `lines` lines of a log from byte `start` on (where this attempt's lines begin)."""
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read(path: Path, start: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(start)
-            text = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+
+
+def tail(path: Path, lines: int = 30, *, start: int = 0) -> str:
+    """The last `lines` lines of a log from byte `start` on (where this attempt's lines begin)."""
+    return "\n".join(_read(path, start).splitlines()[-lines:])

@@ -200,7 +200,7 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     peers the agent had already stopped, with no other cause, is the agent's stop: interrupted."""
     from ..recorder import finish_metrics
     from ..runrecord import read_run_record_or_none
-    from .supervise import read_error
+    from .error_records import read_error
 
     record = read_run_record_or_none(job.run_dir)
     if record is None or record.status not in ("failed", "interrupted") or record.started_at is None:
@@ -268,7 +268,8 @@ def _peer_cause(
     `before`, or ended without a word (killed, os._exit); None while it runs, or when its failure
     echoes rank 0's."""
     from ..procstat import how_it_ended
-    from .supervise import error_summary, read_error, stopped_from_outside
+    from .error_records import error_summary, read_error
+    from .supervise import stopped_from_outside
 
     error = read_error(run_dir, rank)
     if error is not None and error.get("time", 0.0) < since:

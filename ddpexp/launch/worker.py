@@ -31,8 +31,9 @@ from ..heartbeat import Heartbeat, Preempted
 from ..interrupts import Interrupted
 from ..job import Job
 from . import senders
+from .error_records import error_file
 from .leave import exit_now
-from .supervise import STACK_SIGNAL, error_file, forward_to_launcher, sigterm_raises
+from .supervise import STACK_SIGNAL, forward_to_launcher, sigterm_raises
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import distributed
 from ..errors import UserError, require_positive
 from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import (
@@ -281,7 +282,7 @@ def one_bucket_at_a_time(inner: Any) -> Any:
 
     def hook(state, bucket):  # no annotations: DDP accepts only the real types, or none
         fut = inner(state, bucket)
-        fut.wait()
+        distributed.wait_for(fut)
         return fut
 
     return hook

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .. import distributed
 from ..errors import require_positive
 from . import DataParallelConfig, Strategy, Wrapped, maybe_sync_bn, register, syncbn
 from .comm import Collective, CommMeter, Workload
@@ -211,7 +212,7 @@ def _exchange(
         ops.append(dist.P2POp(dist.irecv, into, left, group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            distributed.wait_for(work)
     return out.numel()
 
 

@@ -309,7 +309,7 @@ class Server:
             start = time.perf_counter()
             pull = self.flat.values()
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, pull, w) for w in self.workers]):
-                work.wait()
+                distributed.wait_for(work)
             self.owed = False
             _record(self.meter, start, 0)  # counted with the pushes they answer
 
@@ -325,7 +325,7 @@ class Server:
         inboxes = [self.flat.empty() for _ in self.workers]
         receives = [dist.P2POp(dist.irecv, box, w) for box, w in zip(inboxes, self.workers, strict=True)]
         for work in dist.batch_isend_irecv(receives):
-            work.wait()
+            distributed.wait_for(work)
         total = inboxes[0]
         for box in inboxes[1:]:
             total += box
