@@ -503,6 +503,23 @@ def test_the_emitted_file_runs_the_recommended_plan_and_its_command_passes_prefl
     preflight(args, load_cluster("8xh100_sxm", nodes=2))  # what a run on that cluster would check first
 
 
+def test_the_emitted_command_trains_the_steps_that_were_priced(tmp_path: Path):
+    """--tokens 2560 at a global batch of 8 windows of 64 tokens is 5 steps: the emitted command says
+    so (trainer.max_steps, and an epoch of synthetic tokens that holds them), and run here it trains 5
+    steps, not its data's default epochs."""
+    out = tmp_path / "emitted.sh"
+    args = ["model=gpt_tiny", "trainer.batch_size=8", "--cluster", "cpu_host", "--tokens", "2560"]
+    result = run_here(tmp_path, "plan", *args, "--emit", "torchrun", "--emit-to", str(out))
+    assert result.returncode == 0, result
+    text = out.read_text()
+    emitted = _ddpexp_args(text[text.index("torchrun ") :])
+    assert "trainer.max_steps=5" in emitted and "data=synthetic_tokens" in emitted, emitted
+    ran = run_here(tmp_path, *emitted, "hydra.run.dir=ran")
+    assert ran.returncode == 0, ran
+    history = json.loads((tmp_path / "ran" / "metrics.json").read_text())["history"]
+    assert history[-1]["step"] == 5, history
+
+
 def test_verify_runs_the_first_plans_here_and_prints_the_regret(tmp_path: Path):
     """--verify 2 on this machine's profile: the two first plans that fit run here (2 processes, gloo),
     their predicted and measured step times side by side, and the regret of the recommended one."""

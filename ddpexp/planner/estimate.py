@@ -69,6 +69,27 @@ def launch_args(overrides: list[str], plan_overrides: list[str], cluster: Cluste
     return [*kept, *plan_overrides, *launch]
 
 
+EPOCH_STEPS = 100  # an emitted run's epoch of planned synthetic tokens: each epoch ends in an eval and a save
+
+
+def target_args(job: Job, steps: float, *, planned_data: bool) -> list[str]:
+    """What makes a launched run train what the plan priced: its steps (trainer.max_steps) and enough
+    epochs of its data to hold them. The synthetic tokens a plan without data= assumed (two batches)
+    become an epoch of up to EPOCH_STEPS steps, not thousands of two-step epochs."""
+    if not math.isfinite(steps):
+        return []  # no target: the run trains what the config says
+    from ..data import build_source
+
+    steps, batch = int(steps), job.global_batch
+    extra = []
+    if planned_data:
+        per_epoch = min(steps, EPOCH_STEPS)
+        extra = [f"data.train_tokens={per_epoch * batch * job.seq_len + 1}"]  # windows start every seq_len
+    else:
+        per_epoch = max(1, int(build_source(job.cfg.data).info().train_samples or 0) // batch)
+    return [*extra, f"trainer.epochs={math.ceil(steps / per_epoch)}", f"trainer.max_steps={steps}"]
+
+
 def preflight(args: list[str], cluster: Cluster) -> None:
     """Pre-flight's checks of the command line `args` as torchrun would start it on `cluster` (its
     devices per node, its world size): what a run there would refuse, in one line."""
