@@ -319,3 +319,17 @@ def test_diloco_on_one_process_takes_outer_steps_and_sends_nothing(tmp_path: Pat
     assert saved["outer"]["state"] and saved["steps"] == 4
     model = list(weights(tmp_path / "one").values())  # the MLP's parameters, in order
     assert all(torch.equal(g, p) for g, p in zip(model, mine, strict=True))  # just after an outer step
+
+
+@pytest.mark.multiproc
+def test_diloco_says_on_the_console_when_no_outer_step_has_moved_what_it_evaluates(tmp_path: Path):
+    """H = 50 over a 5-step run: the global model never moves, every evaluation scores the starting
+    weights, and the console says why (once), not only the docs. A run whose outer steps came says
+    nothing."""
+    args = ["strategy=diloco", "dist.nprocs=1", *PARITY]
+    still = run_here(tmp_path, *args, "strategy.sync_every=50", "hydra.run.dir=still")
+    assert still.returncode == 0, still
+    said = [line for line in (still.stdout + still.stderr).splitlines() if "no outer step yet" in line]
+    assert len(said) == 1 and "after step 50" in said[0], still.stdout + still.stderr
+    moved = run_here(tmp_path, *args, "strategy.sync_every=1", "hydra.run.dir=moved")
+    assert moved.returncode == 0 and "no outer step" not in moved.stdout + moved.stderr, moved

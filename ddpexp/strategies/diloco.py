@@ -34,6 +34,7 @@ Bytes (`comm/bytes_per_step`, kind gradients: pseudo-gradients) are S/H per step
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
 
     from ..context import RunContext
     from ..plan import HostFacts, Plan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -148,6 +151,7 @@ class OuterStep(Periodic):
         super().__init__(model, every=settings.sync_every, meter=meter, fragments=settings.fragments)
         self.settings = settings
         self.outer = torch.optim.SGD(self.global_params, **self._hyperparameters())
+        self._said_no_outer_step = False
 
     def _hyperparameters(self) -> dict[str, Any]:
         s = self.settings
@@ -156,6 +160,20 @@ class OuterStep(Periodic):
             "momentum": s.outer_momentum,
             "nesterov": s.outer_nesterov and s.outer_momentum > 0,
         }
+
+    def refresh(self) -> None:
+        """The run's model is the global one, which only an outer step moves: before the first, every
+        evaluation scores the starting weights, and the console says why its numbers stand still."""
+        first = min(p or self.every for p in self.phases)
+        if self.steps < first and not self._said_no_outer_step:
+            self._said_no_outer_step = True
+            if self.rank == 0:
+                log.warning(
+                    "diloco: no outer step yet (the first comes after step %d, strategy.sync_every=%d): "
+                    "evaluations until then score the starting weights",
+                    first,
+                    self.every,
+                )
 
     @torch.no_grad()
     def exchange(self, part: list[int]) -> int:
