@@ -3,6 +3,7 @@ at what cost; and its refusals of what cannot be planned."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -580,3 +581,44 @@ def test_plot_draws_predicted_time_against_cost(tmp_path: Path):
     target = SimpleNamespace(target_tokens=1e9)
     (low, high) = picture.span(r, cluster, target, spread)
     assert low == pytest.approx((1.6, 40.0)) and high == pytest.approx((3.0, 75.0))
+
+
+def test_a_small_models_row_shows_its_numbers_not_zeros():
+    """A tiny model on 8 H100s: its MFU, bytes, time and cost are far below the places the table
+    keeps for large ones; they show two significant digits instead of 0.0%, 0.00 and 0.0 min."""
+    from ddpexp.planner.cli import _row
+    from ddpexp.planner.estimate import Estimate
+    from ddpexp.planner.space import Candidate
+
+    cases = (validation.Case("ddp", 2, 0, 1.0, 1.0), validation.Case("ddp", 3, 0, 1.0, 1.5))
+    spread = validation.Validation("a host", "a date", "a command", cases)
+    tiny = Estimate(
+        Candidate("ddp", {"name": "ddp"}),
+        peak_bytes=2.5e6,
+        step_s=0.0039,
+        tokens_per_s=8 * 16320.0,
+        mfu=0.00019,
+        bytes_intra=5.5e5,
+        bytes_inter=0.0,
+        time_s=0.02,
+        cost=0.00011,
+        devices=8,
+        fits=True,
+    )
+    row = dict(
+        zip(
+            ["plan", "fits", "gib", "step", "tps", "mfu", "node", "net", "time", "cost"],
+            _row(tiny, spread),
+            strict=True,
+        )
+    )
+    assert (row["mfu"], row["node"], row["net"]) == ("0.019%", "0.00055", "0.00")
+    assert row["time"] == "0.02 s (0.02-0.03)" and row["cost"] == "0.00011 (0.00011-0.00016)"
+    big = Estimate(
+        Candidate("ddp", {"name": "ddp"}), mfu=0.4123, bytes_intra=3.2e9, time_s=9000.0, cost=1234.5
+    )
+    row = _row(
+        dataclasses.replace(tiny, **{k: getattr(big, k) for k in ("mfu", "bytes_intra", "time_s", "cost")}),
+        spread,
+    )
+    assert row[5:] == ["41.2%", "3.20", "0.00", "2.5 h (2.5-3.8)", "1,234 (1,234-1,852)"]

@@ -229,13 +229,22 @@ def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tu
     return results, job
 
 
+def _shown(value: float, decimals: int) -> str:
+    """`value` to `decimals` places, or to two significant digits where those places would show 0
+    (a small model's bytes, MFU, minutes and cents)."""
+    if value == 0 or abs(value) >= 0.5 * 10**-decimals:
+        return f"{value:,.{decimals}f}"
+    return f"{value:.2g}"
+
+
 def _duration(seconds: float, spread: validation.Validation) -> str:
     """`seconds` in the unit that reads best, with the range the validation puts around it."""
     if not math.isfinite(seconds):
         return "-"
-    unit, size = ("d", 86400) if seconds >= 86400 else ("h", 3600) if seconds >= 3600 else ("min", 60)
+    units = [("d", 86400), ("h", 3600), ("min", 60), ("s", 1)]
+    unit, size = next(((u, n) for u, n in units if seconds >= n), units[-1])
     low, high = spread.around(seconds)
-    return f"{seconds / size:.1f} {unit} ({low / size:.1f}-{high / size:.1f})"
+    return f"{_shown(seconds / size, 1)} {unit} ({_shown(low / size, 1)}-{_shown(high / size, 1)})"
 
 
 def _money(usd: float, spread: validation.Validation) -> str:
@@ -243,7 +252,7 @@ def _money(usd: float, spread: validation.Validation) -> str:
         return "-"
     digits = 2 if usd < 100 else 0
     low, high = spread.around(usd)
-    return f"{usd:,.{digits}f} ({low:,.{digits}f}-{high:,.{digits}f})"
+    return f"{_shown(usd, digits)} ({_shown(low, digits)}-{_shown(high, digits)})"
 
 
 HEAD = [
@@ -279,9 +288,9 @@ def _row(r: Estimate, spread: validation.Validation) -> list[str]:
         _gib(r.peak_bytes),
         _seconds(r.step_s),
         f"{r.tokens_per_s_per_device:,.0f}",
-        f"{r.mfu:.1%}",
-        f"{r.bytes_intra / 1e9:,.2f}",
-        f"{r.bytes_inter / 1e9:,.2f}",
+        f"{_shown(100 * r.mfu, 1)}%",
+        _shown(r.bytes_intra / 1e9, 2),
+        _shown(r.bytes_inter / 1e9, 2),
         _duration(r.time_s, spread),
         _money(r.cost, spread),
     ]
