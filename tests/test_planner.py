@@ -531,20 +531,22 @@ def test_verify_runs_the_first_plans_here_and_prints_the_regret(tmp_path: Path):
         "data.train_tokens=8192",
         "data.eval_tokens=1024",
     ]
-    args = [*tiny, "trainer.batch_size=8", "--cluster", "cpu_host", "--verify", "2"]
+    args = [*tiny, "trainer.batch_size=8", "--cluster", "cpu_host", "--verify", "2", "--format", "json"]
     result = run_here(tmp_path, "plan", *args, "--verify-dir", str(tmp_path / "verify"))
     assert result.returncode == 0, result
-    lines = result.stdout.splitlines()
+    plans = json.loads(result.stdout)["plans"]  # the machine format owns stdout; the rest is on stderr
+    lines = result.stderr.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("Verified here: the first 2 plans"))
     assert lines[start + 1].split()[:3] == ["plan", "predicted", "step"]
     rows = lines[start + 2 : start + 4]
-    recommended = next(line for line in lines if line.startswith("Recommended: "))
-    assert recommended.removeprefix("Recommended: ").startswith(rows[0].split("  ")[0])
+    recommended = next(p for p in plans if p["fits"] and p["note"] is None)
+    assert rows[0].startswith(recommended["mesh"] + " "), (rows, recommended)
     for row in rows:
         predicted, measured, ratio = row.split()[-3:]
         ratio_of_printed = float(measured) / float(predicted)  # each printed to 3 places
         assert float(measured) > 0 and float(ratio) == pytest.approx(ratio_of_printed, rel=0.15)
-    assert re.match(r"Regret: \d+%: the recommended plan, ", lines[-1]), lines[-1]
+    regret = next(line for line in lines if line.startswith("Regret: "))
+    assert re.match(r"Regret: \d+%: the recommended plan, ", regret), regret
     runs = sorted(p.name for p in (tmp_path / "verify").iterdir())
     assert len(runs) == 2 and all(r.endswith("-r0") for r in runs)
     for run in runs:
@@ -622,3 +624,27 @@ def test_a_small_models_row_shows_its_numbers_not_zeros():
         spread,
     )
     assert row[5:] == ["41.2%", "3.20", "0.00", "2.5 h (2.5-3.8)", "1,234 (1,234-1,852)"]
+
+
+def test_verify_says_when_the_host_was_busy_as_the_report_does(tmp_path: Path):
+    """Two verified plans, the second started while the 1-minute load was 5 on 2 cores: the ratios
+    below the table come with ddpexp-report's warning, not as if the machine had been idle."""
+    from ddpexp.planner import verify
+    from ddpexp.planner.estimate import Estimate
+    from ddpexp.planner.space import Candidate
+
+    from .test_report import T0, fabricate
+
+    quiet = {"host_cpus": 2, "load_avg_start": 0.2, "load_avg_end": 1.0}
+    first = fabricate(tmp_path, "ddp-r0", strategy="ddp", devices=2, **quiet)
+    busy = {**quiet, "load_avg_start": 5.0, "load_avg_end": 5.0}
+    second = fabricate(tmp_path, "fsdp-r0", strategy="fsdp", devices=2, start=T0 + 100, **busy)
+    plans = [
+        verify.Verified(Estimate(Candidate(n, {"name": n}), step_s=0.1), [d], [0.17])
+        for n, d in (("ddp", first), ("fsdp", second))
+    ]
+    text = verify.render(plans, load_cluster("cpu_host"), 1, 2, tmp_path)
+    assert "The host was not these runs' alone" in text
+    assert "fsdp-r0: host busy at the start: 1-min load 5.0" in text and "ddp-r0:" not in text
+    plans.pop()
+    assert "not these runs' alone" not in verify.render(plans, load_cluster("cpu_host"), 1, 2, tmp_path)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import io
 import json
 import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"wrote {picture.write(args.plot, results, cluster, job, spread)}: predicted time against cost")
     if args.verify is not None:
         out = args.verify_dir or verify.default_out()
-        ran = verify.verify(
-            results, job, cluster, args.verify, rounds=args.verify_rounds, epochs=args.verify_epochs, out=out
-        )
-        print()
-        print(verify.render(ran, cluster, args.verify_rounds, args.verify_epochs, out), end="")
+        quiet = args.format in ("json", "csv")  # the runs' own output must not follow the JSON
+        with stdout_to_stderr() if quiet else contextlib.nullcontext():
+            ran = verify.verify(
+                results,
+                job,
+                cluster,
+                args.verify,
+                rounds=args.verify_rounds,
+                epochs=args.verify_epochs,
+                out=out,
+            )
+        say("")
+        say(verify.render(ran, cluster, args.verify_rounds, args.verify_epochs, out).rstrip("\n"))
     if args.emit:
         try:
             best = next((r for r in results if r.note is None and r.fits), None)
@@ -188,6 +198,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return exc.exit_code
         say(f"wrote {path}: {best.label}, {args.emit}")
     return 0
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Everything written to stdout inside, by this process or the ones it starts, goes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def plan(args: argparse.Namespace, overrides: list[str], cluster: Cluster) -> tuple[list[Estimate], Any]:

@@ -104,7 +104,25 @@ def render(verified: list[Verified], cluster: Cluster, rounds: int, epochs: int,
         "",
         regret(verified),
     ]
+    busy = host_warnings(verified)
+    if busy:
+        lines += [
+            "",
+            "The host was not these runs' alone, so the measured times include other work and their ratios "
+            "to the predictions say little (ddpexp-report's warnings; rerun on an idle machine):",
+            *(f"  {w}" for w in busy),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def host_warnings(verified: list[Verified]) -> list[str]:
+    """What ddpexp-report would warn about the host these runs shared: other load at their start or
+    during them, jobs that overlapped, oversubscribed cores."""
+    from ..report.host_warnings import run_warnings
+    from ..report.runs import load_run
+
+    runs = [load_run(d, d.name) for v in verified for d in v.run_dirs]
+    return run_warnings(runs, runs)
 
 
 def regret(verified: list[Verified]) -> str:
