@@ -500,6 +500,9 @@ def test_a_single_run_is_predicted_for_the_strategies_that_fit_its_host(
     assert predict.main([str(cpu), "--interconnect", "nvlink4", "--devices", "1,2", "--strategy", "ddp"]) == 0
     out = capsys.readouterr().out
     assert "ddpexp-predict:" not in out and out.count("predicting:") == 1
+    # a CPU baseline onto GPU links: the table's first lines say whose compute it is
+    said = out.splitlines()[2]
+    assert said.startswith("compute: this run's CPU host (") and "ddpexp plan --cluster" in said, out
 
 
 def test_dp_is_not_predicted_on_more_than_one_device_of_a_cpu_host(tmp_path: Path):

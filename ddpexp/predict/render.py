@@ -26,8 +26,13 @@ def render(predictor: Predictor, points: Sequence[Point]) -> str:
         f"{run.mean('perf/step_time_s') * 1e3:.3g} ms/step, {run.mean('perf/samples_per_s'):,.0f} samples/s",
         f"predicting: {label} on {predictor.fabric.name}; one device computes a global batch in "
         f"{predictor.single_s * 1e3:.3g} ms ({gb / predictor.single_s:,.0f} samples/s)",
-        "",
     ]
+    if facts.get("device_type") == "cpu":
+        lines.append(
+            f"compute: this run's CPU host ({facts.get('host_cpus') or '?'} cores a node), whatever devices "
+            f"the links connect: the step times are CPU processes' (ddpexp plan --cluster prices GPUs)"
+        )
+    lines.append("")
     header: tuple[str, ...] = (
         "W",
         "N",
