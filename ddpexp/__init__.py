@@ -11,6 +11,11 @@ if TYPE_CHECKING:
     from .api import Result, load_model, run, sweep
     from .errors import UserError
 
+# Before anything loads torch: runs from Python get the OpenMP wait policy the command line gives them.
+from . import host
+
+host.quiet_waits()
+
 
 def __getattr__(name: str) -> Any:
     # Lazy: `python -m ddpexp --help` and the worker processes must not pay for importing torch here.

@@ -63,8 +63,17 @@ def quiet_waits() -> None:
 def wait_policy() -> str:
     """How this process's OpenMP threads wait (facts.wait_policy): OMP_WAIT_POLICY, GOMP_SPINCOUNT,
     or OpenMP's default, which spins a while before it sleeps."""
-    if _policy_loaded is not None:
-        return _policy_loaded
+    return _policy_loaded if _policy_loaded is not None else _policy_of_environment()
+
+
+def waits_unlike_its_workers() -> bool:
+    """Whether this process's OpenMP threads wait otherwise than those of the processes it starts:
+    torch was loaded before ddpexp set the policy (a notebook, a script that imported torch first), so
+    a run in this process would spin where a run from the command line sleeps."""
+    return _policy_loaded is not None and _policy_loaded != _policy_of_environment()
+
+
+def _policy_of_environment() -> str:
     if WAIT_POLICY_ENV in os.environ:
         return os.environ[WAIT_POLICY_ENV].lower()
     if SPIN_COUNT_ENV in os.environ:

@@ -22,9 +22,12 @@ class HostFacts:
     nccl: bool
     gloo: bool
     mpi: bool
+    # This process's OpenMP threads spin where its workers' sleep (host.waits_unlike_its_workers): a
+    # one-process CPU run then starts a worker of its own rather than run here.
+    spinning_threads: bool = False
 
     @classmethod
-    def probe(cls) -> HostFacts:
+    def probe(cls, *, spinning_threads: bool = False) -> HostFacts:
         import torch
         import torch.distributed as dist
 
@@ -33,6 +36,7 @@ class HostFacts:
             nccl=dist.is_available() and dist.is_nccl_available(),
             gloo=dist.is_available() and dist.is_gloo_available(),
             mpi=dist.is_available() and dist.is_mpi_available(),
+            spinning_threads=spinning_threads,
         )
 
 

@@ -208,7 +208,8 @@ def run_job(
         if on_signal:
             resume_if_preempted(cfg, run_dir)
         checked_dir = run_dir if sweep else None  # a plain run's: checked by pre-flight, then claimed
-        plan = check_job(cfg, HostFacts.probe(), external=external, multirun=sweep, run_dir=checked_dir)
+        here = HostFacts.probe(spinning_threads=host.waits_unlike_its_workers())
+        plan = check_job(cfg, here, external=external, multirun=sweep, run_dir=checked_dir)
         job = Job(
             cfg=cfg,
             plan=plan,

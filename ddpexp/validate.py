@@ -111,8 +111,10 @@ def _layout(
                 setting="strategy",
                 fix="use strategy=ddp under torchrun, or run without torchrun",
             )
-        # A restart needs a supervisor outside the failing process: then even one process is spawned.
-        return ("spawn" if cfg.dist.max_restarts else "inprocess"), 1, 1
+        # A restart needs a supervisor outside the failing process: then even one process is spawned;
+        # so is a CPU run from a process whose OpenMP threads spin (it would not be timed as the CLI's).
+        spawned = cfg.dist.max_restarts or (host.spinning_threads and device_type == "cpu")
+        return ("spawn" if spawned else "inprocess"), 1, 1
     if external is not None:
         if init != "env":
             raise UserError(

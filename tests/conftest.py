@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# As the command line does before torch loads (ddpexp/host.py quiet_waits): in-process runs of the
+# tests are then what they are from the command line, not spawned for spinning OpenMP threads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 

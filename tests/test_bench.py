@@ -210,4 +210,6 @@ def test_busy_host_smoke_prints_every_contender_idle_and_busy():
         "single, spin",
         "single, 1 thread",
         "ddp, 2 ranks",
+        "single, ddpexp.run",
+        "single, torch first",
     ]

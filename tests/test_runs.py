@@ -350,6 +350,24 @@ def test_a_one_process_run_from_the_command_line_has_openmp_threads_that_sleep_w
     assert metrics(tmp_path / "run")["facts"]["wait_policy"] == "passive"
 
 
+@pytest.mark.parametrize("first", ["", "import torch\n"], ids=["ddpexp-first", "torch-first"])
+def test_a_run_from_python_gets_the_threads_the_command_line_gives(tmp_path: Path, monkeypatch, first: str):
+    """A plain script's ddpexp.run, and one that imported torch before ddpexp (whose OpenMP threads
+    already spin, as a notebook's do): the run's threads sleep while they wait, as from the command
+    line, the second by running in a worker of its own rather than in the script's process."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    script = first + (
+        "import ddpexp\n"
+        f"r = ddpexp.run({[*QUICK, 'trainer.max_steps=2', 'hydra.run.dir=run']!r})\n"
+        "print(r.status, r.facts['wait_policy'], r.facts['launcher'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    launcher = "spawn" if first else "inprocess"
+    assert done.stdout.split()[-3:] == ["completed", "passive", launcher], done.stdout
+
+
 @pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}])
 def test_a_wait_policy_of_your_own_is_kept(monkeypatch, env: dict[str, str]):
     from ddpexp import host

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import composition, faults, optim
 from ..context import FAULT_ENV
 from ..errors import UserError
+from ..host import waits_unlike_its_workers
 from ..launch import warmup
 from ..plan import ExternalWorld, HostFacts, Plan
 from ..validate import check_split_sizes, plan
@@ -72,7 +73,7 @@ def preflight(
         overrides, jobs, varying = composition.expand(overrides, multirun=multirun, compose=compose)
         dropped = replaced_settings(jobs, compose)
         overrides, jobs = overrides + dropped, [job + dropped for job in jobs]
-        local = HostFacts.probe()
+        local = HostFacts.probe(spinning_threads=waits_unlike_its_workers())
         spawns = []
         in_process = False
         joining = None
