@@ -94,3 +94,28 @@ def test_a_peer_stopped_by_the_agent_after_rank_0_failed_is_not_its_cause(tmp_pa
     _record(tmp_path, 1, at=T0 + 15, stopped_by=AGENT)
     m = _blame(tmp_path, "failed", monkeypatch)
     assert m["status"] == "failed" and m["error"] == "rank 0's own", m
+
+
+def test_rank_0_waits_for_a_peer_that_records_its_stop_only_after_unwinding(tmp_path, monkeypatch):
+    """Rank 1, stopped from outside, closed its connections while it unwound and wrote its record
+    after that: on a busy machine past the 2 s rank 0 used to give it (seen in the fault suite under
+    load). Rank 0 waits for the record (or the peer's end), not for a time."""
+    clock = {"now": 0.0, "sleeps": 0}
+
+    def sleep(seconds: float) -> None:  # each poll takes a second of the fake clock
+        clock["now"] += 1.0
+        clock["sleeps"] += 1
+        if clock["sleeps"] == 5:
+            _record(tmp_path, 1, at=T0 + 12, stopped_by=OUTSIDE)
+
+    monkeypatch.setattr(torchrun, "time", SimpleNamespace(monotonic=lambda: clock["now"], sleep=sleep))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    write_metrics(
+        tmp_path, dict(new_metrics({}), status="failed", error="closed by peer", started_at=T0, wall_s=10.0)
+    )
+    where = {"host": socket.gethostname(), "pid": os.getpid(), "started": None}  # alive: this process
+    store = _Store({f"{torchrun.PEER_KEY}/0/1": json.dumps(where)})
+    torchrun.blame_a_peer(SimpleNamespace(run_dir=tmp_path), store, since=T0 - 1)  # type: ignore[arg-type]
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["error"] == "rank 1: stopped by SIGTERM (not sent by ddpexp)", m

@@ -38,7 +38,10 @@ if TYPE_CHECKING:
 
 JOB_KEY = "ddpexp/job"
 PEER_KEY = "ddpexp/peer"  # /<restart>/<rank>: where that rank runs (host, pid, start time)
-PEER_WAIT_S = 2.0  # how long rank 0 looks for a peer that ended, once it has failed itself
+# At most, how long rank 0 waits, once it has failed itself, for each peer to say how it ended (its
+# error record) or to end: a peer stopped from outside records why only after unwinding, which on a
+# busy machine took longer than the 2 s this once was.
+PEER_WAIT_S = 30.0
 STORE_TIMEOUT_S = 900.0
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")  # torch >= 2.0 passes the first, older ones the second
@@ -222,12 +225,14 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
                 peers[rank] = where
     deadline = time.monotonic() + PEER_WAIT_S
     causes: list[_PeerCause] = []
-    while peers:  # the peer that broke the connection has said so, or is gone, within moments
+    while peers:  # until a peer is the cause, or every peer has said how it ended or has ended
+        settled = True
         for rank, where in peers.items():
             cause = _peer_cause(job.run_dir, rank, where, since=since, before=failed_at)
             if cause is not None and (cause.silent or not silent_only):
                 causes.append(cause)
-        if causes or time.monotonic() > deadline:
+            settled = settled and (cause is not None or _has_ended(job.run_dir, rank, where, since=since))
+        if causes or settled or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     if causes and all(c.stopped_by_agent for c in causes):
@@ -241,6 +246,17 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     first = min(causes)
     finish_metrics(job.run_dir, "failed", f"rank {first.rank}: {first.summary}", facts={})
     print(f"ddpexp: rank {first.rank} of {world} {first.summary}; rank 0 failed after it", file=sys.stderr)
+
+
+def _has_ended(run_dir: Path, rank: int, where: dict[str, Any], *, since: float) -> bool:
+    """Whether `rank` has recorded how it ended (this attempt's record) or is gone."""
+    from ..procstat import how_it_ended
+    from .error_records import read_error
+
+    error = read_error(run_dir, rank)
+    if error is not None and error.get("time", 0.0) >= since:
+        return True
+    return how_it_ended(where["pid"], where["started"]) is not None
 
 
 def _by_agent(error: dict[str, Any]) -> bool:
