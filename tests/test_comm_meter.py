@@ -42,6 +42,33 @@ def test_the_meter_times_one_step_in_k_and_scales_the_busy_time_to_every_step():
     assert meter.take() == (0.0, dict.fromkeys(nbytes, 0))
 
 
+def test_the_share_is_of_the_timed_steps_own_time_and_never_above_one(monkeypatch):
+    """One step in two timed, the first of them spent waiting 5 s for a peer's first batch: scaled to
+    every step the busy time (10.2 s) is more than the epoch (8 s), which read as a comm/share of 1.27
+    (1.19 seen in CI). The share is the part of the timed steps' own wall time some collective
+    covered, clipped to them (a completion callback's end on another thread comes after the step)."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr("ddpexp.strategies.comm.time.perf_counter", lambda: clock["now"])
+    meter = CommMeter()
+    for start, end, collectives in [
+        (0, 5, [(0.0, 5.0)]),
+        (5, 6, []),
+        (6, 7, [(6.0, 6.1), (6.5, 7.5)]),
+        (7, 8, []),
+    ]:
+        clock["now"] = start
+        meter.begin_step(2)
+        for a, b in collectives:
+            meter.record(a, b, 10)
+        clock["now"] = end
+        meter.end_step()
+    busy, _, share = meter.take_with_share(8.0)
+    assert busy == pytest.approx((5.0 + 0.1 + 1.0) * 4 / 2)  # comm/time_per_step_s, as before
+    assert share == pytest.approx((5.0 + 0.1 + 0.5) / (5.0 + 1.0))
+    meter.record_unsampled(20.0, 22.0, 10)  # local SGD's average, outside the steps: beside them
+    assert meter.take_with_share(8.0)[2] == pytest.approx(2.0 / 8.0)
+
+
 def test_a_meter_no_engine_steps_times_everything():
     meter = CommMeter()
     meter.record(0.0, 2.0, 4)

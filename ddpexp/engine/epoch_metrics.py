@@ -57,12 +57,12 @@ def costs(
     """Data wait, communication and memory of the epoch: averaged (time) or maxed (memory) over ranks,
     in one small reduction each; `resident` is memory by category (already the max over ranks), the
     peak is this rank's since the run began (memory.Peak), maxed here."""
-    comm = model.comm.take() if model.comm is not None else None
+    comm = model.comm.take_with_share(elapsed) if model.comm is not None else None
     world = max(distributed.world_size(), 1)
     kinds = [float(comm[1][kind]) if comm else 0.0 for kind in KINDS]
-    local = [wait, comm[0] if comm else 0.0, *kinds]
+    local = [wait, comm[0] if comm else 0.0, comm[2] if comm else 0.0, *kinds]
     sums = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device))
-    wait_s, comm_s, *kind_bytes = (v / world for v in sums.tolist())
+    wait_s, comm_s, share, *kind_bytes = (v / world for v in sums.tolist())
     out = {
         "perf/data_wait_frac": wait_s / elapsed if elapsed > 0 else 0.0,
         "mem/peak_mb": distributed.all_reduce_max(peak.mb()),
@@ -74,7 +74,7 @@ def costs(
         out["comm/bytes_per_step"] = network / max(steps, 1)
         if comm_s > 0 or not sum(kind_bytes):  # bytes and no time: untimed (a pipeline's sends)
             out["comm/time_per_step_s"] = comm_s / max(steps, 1)
-            out["comm/share"] = comm_s / elapsed if elapsed > 0 else 0.0
+            out["comm/share"] = share
         # by kind (comm/bytes_per_step/sync_bn...), each only for strategies that send it
         by_kind = zip(KINDS, kind_bytes, strict=True)
         out |= {f"comm/bytes_per_step/{k}": b / max(steps, 1) for k, b in by_kind if b}

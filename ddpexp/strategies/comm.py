@@ -82,6 +82,8 @@ class CommMeter:
         self._steps = self._timed = 0
         self._intervals: list[tuple[float, float]] = []
         self._unsampled: list[tuple[float, float]] = []  # record_unsampled's, timed on every step
+        self._windows: list[tuple[float, float]] = []  # the timed steps', begin to end
+        self._window_start: float | None = None
         self._bytes = dict.fromkeys(KINDS, 0)
         self._paused = False
 
@@ -100,10 +102,14 @@ class CommMeter:
         self.timing = self._steps % every == 0
         self._steps += 1
         self._timed += self.timing
+        self._window_start = time.perf_counter() if self.timing else None
 
     def end_step(self) -> None:
         """The step's collectives are done (its optimizer step ran): time nothing until the next."""
+        if self.timing and self._window_start is not None:
+            self._windows.append((self._window_start, time.perf_counter()))
         self.timing = False
+        self._window_start = None
 
     def count(self, nbytes: int, kind: str = "gradients") -> None:
         if not self._paused:
@@ -131,15 +137,38 @@ class CommMeter:
     def take(self) -> tuple[float, dict[str, int]]:
         """(busy seconds, bytes by kind) since the last call: the busy time is the timed steps'
         scaled to every step (exact when every step was timed), plus the unsampled collectives'."""
-        busy = _merged(self._intervals)
-        if self._timed:
-            busy *= self._steps / self._timed
-        busy += _merged(self._unsampled)
+        busy, nbytes, _ = self.take_with_share(math.inf)
+        return busy, nbytes
+
+    def take_with_share(self, elapsed: float) -> tuple[float, dict[str, int], float]:
+        """take's, and the share of the `elapsed` seconds with a collective of this rank running: of
+        the timed steps' own wall time, the part some collective covered (a fraction of like with
+        like, whichever steps were timed and however their collectives overlap or finish on other
+        threads), with the unsampled collectives' time beside it. At most 1 by construction."""
+        timed = _merged(self._intervals)
+        busy = timed * self._steps / self._timed if self._timed else timed
+        unsampled = _merged(self._unsampled)
+        busy += unsampled
+        window = sum(end - start for start, end in self._windows)
+        sampled = (
+            _within(self._intervals, self._windows) / window if window > 0 else min(timed / elapsed, 1.0)
+        )
+        outside = min(unsampled / elapsed, 1.0) if elapsed > 0 else 0.0
+        share = outside + (1 - outside) * sampled
         nbytes = self._bytes
         self._intervals, self._unsampled, self._bytes = [], [], dict.fromkeys(KINDS, 0)
+        self._windows, self._window_start = [], None
         self._steps = self._timed = 0
         self.timing = True
-        return busy, nbytes
+        return busy, nbytes, share
+
+
+def _within(intervals: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
+    """Seconds of the windows during which at least one of the intervals ran."""
+    return sum(
+        _merged([(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start])
+        for start, end in windows
+    )
 
 
 def _merged(intervals: list[tuple[float, float]]) -> float:
