@@ -18,10 +18,14 @@ from ddpexp.predict import validation
 
 from .conftest import REPO, start_ranks
 
-pytestmark = pytest.mark.multiproc
+# A script's own time limit (SCRIPT_TIMEOUT_S, a guard against a hang: scripts have no event to wait
+# on) sits inside pytest's for the test, so a script slowed by a busy machine fails with its own
+# output, not killed mid-way by pytest-timeout (which cut the transformer smoke test at 300 s).
+SCRIPT_TIMEOUT_S = 1200
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(SCRIPT_TIMEOUT_S + 300)]
 
 
-def script_output(name: str, *args: str, timeout: float = 300) -> list[str]:
+def script_output(name: str, *args: str, timeout: float = SCRIPT_TIMEOUT_S) -> list[str]:
     """The lines scripts/<name> prints, run from the repository as the README runs it; it must succeed."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / name), *args],
@@ -76,7 +80,7 @@ def test_transformer_benchmark_smoke_compares_ddpexp_with_its_twin_for_each_stra
     lines = [ln for block in blocks for ln in block.splitlines()]
     (line,) = [ln for ln in lines if ln.startswith("python scripts/bench.py --transformer")]
     name, *args = shlex.split(line.partition("#")[0])[1:]
-    lines = script_output(Path(name).name, *args, "--smoke", timeout=600)
+    lines = script_output(Path(name).name, *args, "--smoke")
     assert lines[0].startswith("tokens/s, gpt_tiny: global batch 16 x 64 tokens")
     head = lines[1].split()
     assert head[:4] == ["strategy", "ddpexp", "twin", "ddpexp/twin"]

@@ -585,6 +585,47 @@ def test_plot_draws_predicted_time_against_cost(tmp_path: Path):
     assert low == pytest.approx((1.6, 40.0)) and high == pytest.approx((3.0, 75.0))
 
 
+@pytest.mark.parametrize(("plans", "seconds", "unit"), [(4, 9000.0, "hours"), (14, 30.0, "seconds")])
+def test_the_plot_says_which_plan_and_what_the_others_give_up(plans: int, seconds: float, unit: str):
+    """4 and 14 plans whose times differ by 8% each (on one cluster they lie on a line of time against
+    cost, where the cheapest plans' labels used to pile up): one bar a plan, the recommended one first
+    and marked, each other one saying what it gives up or why it does not fit, no two labels
+    overlapping, time in a unit that fits it."""
+    from ddpexp.planner import picture
+    from ddpexp.planner.estimate import Estimate
+    from ddpexp.planner.space import Candidate
+
+    cluster = load_cluster("8xh100_sxm")
+    cases = (validation.Case("ddp", 2, 0, 1.0, 0.95), validation.Case("ddp", 3, 0, 1.0, 1.61))
+    spread = validation.Validation("a host", "a date", "a command", cases)
+    results = [
+        Estimate(
+            Candidate(f"nd fsdp{i} x tp2 sp lp (mb {i}, none, compile)", {"name": "nd"}),
+            step_s=0.05 * (1 + 0.08 * i),
+            tokens_per_s=1e5,
+            time_s=seconds * (1 + 0.08 * i),
+            cost=seconds * (1 + 0.08 * i) * 8 * 2.49 / 3600,
+            fits=i < plans - 2,
+            largest="activations",
+        )
+        for i in range(plans)
+    ]
+    job = SimpleNamespace(target_tokens=1e9, global_batch=64, seq_len=1024)
+    fig = picture.figure(results, cluster, job, spread)
+    renderer = fig.canvas.get_renderer()
+    (ax, *_) = fig.axes
+    labels = ax.get_yticklabels()
+    assert [t.get_text() for t in labels] == ["\u2605 " + results[0].label, *(r.label for r in results[1:])]
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    said = [t.get_text() for t in ax.texts]
+    assert said[0] == "recommended" and said[1] == "+8% time and cost"
+    assert said[-2:] == ["does not fit: activations"] * 2
+    notes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(notes) for b in notes[i + 1 :])
+    assert f"({unit};" in ax.get_xlabel()
+
+
 def test_a_small_models_row_shows_its_numbers_not_zeros():
     """A tiny model on 8 H100s: its MFU, bytes, time and cost are far below the places the table
     keeps for large ones; they show two significant digits instead of 0.0%, 0.00 and 0.0 min."""

@@ -79,7 +79,11 @@ def parser() -> argparse.ArgumentParser:
         help="write the file that runs the recommended plan on the cluster",
     )
     p.add_argument("--emit-to", type=Path, help="where --emit writes (default: plan_torchrun.sh, ...)")
-    p.add_argument("--plot", type=Path, help="draw predicted time against cost per plan into this PNG")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        help="draw each plan's predicted time and cost, the recommended one marked, into this PNG",
+    )
     p.add_argument(
         "--verify",
         type=int,
