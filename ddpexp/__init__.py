@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from .api import Result, load_model, run, sweep
     from .errors import UserError
 
-# Before anything loads torch: runs from Python get the OpenMP wait policy the command line gives them.
+# Before anything loads torch, in every way in (the command line, ddpexp.run, the workers' forkserver):
+# the one place OpenMP's wait policy is set.
 from . import host
 
 host.quiet_waits()

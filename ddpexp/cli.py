@@ -18,7 +18,6 @@ import sys
 import time
 from typing import Any
 
-from . import host
 from .errors import NothingToDo, UserError, interrupted_within
 
 
@@ -26,7 +25,6 @@ def main(argv: list[str] | None = None, *, early_workers: bool = False) -> None:
     """`early_workers`: this process is the command line's own (console), so it may start the
     workers' forkserver before pre-flight knows whether a job needs it (launch/warmup.py)."""
     started_at = float(os.environ.get("DDPEXP_T0") or time.time())  # DDPEXP_T0: a caller's own clock
-    host.quiet_waits()  # before torch loads, here and in the workers' forkserver
     argv = list(sys.argv[1:] if argv is None else argv)
     if "" not in sys.path:  # the console script finds your modules in this directory, as python -m does
         sys.path.insert(0, "")

@@ -346,7 +346,6 @@ def run_command(
     jobs through Hydra and release it. `report` hears of each job as it ends."""
     from .preflight import preflight
 
-    host.quiet_waits()  # ddpexp.run's workers too (cli.main did it for the command line's own process)
     checked = preflight(overrides, multirun=multirun, external=external, config_name=config_name)
     if checked.joining is not None:
         from .launch import nodes

@@ -228,10 +228,11 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     while peers:  # until a peer is the cause, or every peer has said how it ended or has ended
         settled = True
         for rank, where in peers.items():
-            cause = _peer_cause(job.run_dir, rank, where, since=since, before=failed_at)
+            error, how = _peer_state(job.run_dir, rank, where, since=since)
+            cause = _peer_cause(rank, error, how, before=failed_at)
             if cause is not None and (cause.silent or not silent_only):
                 causes.append(cause)
-            settled = settled and (cause is not None or _has_ended(job.run_dir, rank, where, since=since))
+            settled = settled and (error is not None or how is not None)
         if causes or settled or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -246,17 +247,6 @@ def blame_a_peer(job: Job, store: Any, *, since: float) -> None:
     first = min(causes)
     finish_metrics(job.run_dir, "failed", f"rank {first.rank}: {first.summary}", facts={})
     print(f"ddpexp: rank {first.rank} of {world} {first.summary}; rank 0 failed after it", file=sys.stderr)
-
-
-def _has_ended(run_dir: Path, rank: int, where: dict[str, Any], *, since: float) -> bool:
-    """Whether `rank` has recorded how it ended (this attempt's record) or is gone."""
-    from ..procstat import how_it_ended
-    from .error_records import read_error
-
-    error = read_error(run_dir, rank)
-    if error is not None and error.get("time", 0.0) >= since:
-        return True
-    return how_it_ended(where["pid"], where["started"]) is not None
 
 
 def _by_agent(error: dict[str, Any]) -> bool:
@@ -277,19 +267,31 @@ class _PeerCause(NamedTuple):
     stopped_by_agent: bool = False  # torchrun's agent stopped it, as it stops every rank
 
 
-def _peer_cause(
-    run_dir: Path, rank: int, where: dict[str, Any], *, since: float, before: float
-) -> _PeerCause | None:
-    """What rank 0 blames on `rank`: that it was stopped by a signal, failed on its own before
-    `before`, or ended without a word (killed, os._exit); None while it runs, or when its failure
-    echoes rank 0's."""
+def _peer_state(
+    run_dir: Path, rank: int, where: dict[str, Any], *, since: float
+) -> tuple[dict[str, Any] | None, str | None]:
+    """What `rank` has said of how it ended (this attempt's error record), and, without one, how the
+    OS says it ended (None while it runs)."""
     from ..procstat import how_it_ended
-    from .error_records import error_summary, read_error
-    from .supervise import stopped_from_outside
+    from .error_records import read_error
 
     error = read_error(run_dir, rank)
     if error is not None and error.get("time", 0.0) < since:
         error = None  # an earlier attempt's
+    if error is not None:
+        return error, None
+    return None, how_it_ended(where["pid"], where["started"])
+
+
+def _peer_cause(
+    rank: int, error: dict[str, Any] | None, how: str | None, *, before: float
+) -> _PeerCause | None:
+    """What rank 0 blames on `rank` from its state (_peer_state): that it was stopped by a signal,
+    failed on its own before `before`, or ended without a word (killed, os._exit); None while it
+    runs, or when its failure echoes rank 0's."""
+    from .error_records import error_summary
+    from .supervise import stopped_from_outside
+
     if error is not None and error["type"] == "Interrupted":
         signum = error["exit_code"] - 128
         if _by_agent(error):  # stopped with every rank: it explains only a broken connection after it
@@ -299,7 +301,6 @@ def _peer_cause(
         return _PeerCause(0, error["time"], rank, stopped_from_outside(signum))
     if error is not None:
         return _PeerCause(1, error["time"], rank, error_summary(error)) if error["time"] < before else None
-    how = how_it_ended(where["pid"], where["started"])
     if how is None:
         return None
     said = how if how != "ended" else "ended without an error of its own (torchrun's summary says how)"

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import UserError
 from ..predict import validation
 from . import emit, picture, verify
-from .estimate import DEFAULT_SEQ_CAP, Estimate, composed, job_of, launch_args, target_args
+from .estimate import DEFAULT_SEQ_CAP, Estimate, chooses, composed, job_of, launch_args, target_args
 from .profiles import GIB, Cluster, cluster_names, load_cluster
 from .search import given_layout, search, to_stderr
 
@@ -193,8 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = next((r for r in results if r.note is None and r.fits), None)
             if best is None:
                 raise UserError("the layout given does not fit", setting="strategy", fix="plan without it")
-            planned_data = not any(o.split("=", 1)[0].lstrip("+~") == "data" for o in overrides)
-            target = target_args(job, best.steps, planned_data=planned_data)
+            target = target_args(job, best.steps, planned_data=not chooses(overrides, "data"))
             cmd = launch_args(job.overrides, [*best.candidate.overrides, *target], cluster)
             path = emit.write(args.emit, args.emit_to, cluster, cmd, best.time_s / 3600, best.label)
         except UserError as exc:

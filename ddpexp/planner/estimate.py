@@ -55,6 +55,11 @@ class Estimate:
         return f"{c.label} ({c.settings.describe(self.micro_batch)})"
 
 
+def chooses(overrides: list[str], group: str) -> bool:
+    """Whether the command line chooses an option of `group` (data=..., +strategy=...)."""
+    return any(o.split("=", 1)[0].lstrip("+~") == group for o in overrides)
+
+
 def launch_args(overrides: list[str], plan_overrides: list[str], cluster: Cluster) -> list[str]:
     """The ddpexp command line of a plan: the user's overrides, the plan's strategy, mesh and settings
     (which win), on the cluster's devices."""
@@ -134,7 +139,7 @@ def composed(overrides: list[str], seq_len: int | None) -> tuple[list[str], Any]
     from .. import composition
 
     with composition.composer() as compose:
-        if any(o.split("=", 1)[0].lstrip("+~") == "data" for o in overrides):
+        if chooses(overrides, "data"):
             cfg = compose(overrides)
             if seq_len is not None:
                 raise UserError(

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..predict.interconnect import load_profile
-from .estimate import Estimate, Job, estimate, launch_args, preflight, strategy_of
+from .estimate import Estimate, Job, chooses, estimate, launch_args, preflight, strategy_of
 from .profiles import Cluster
 from .space import AC_MODES, Candidate, Settings, accumulations, meshes
 
@@ -41,7 +41,7 @@ def to_stderr(line: str) -> None:
 def given_layout(overrides: list[str], job: Job) -> Candidate | None:
     """The layout the command line gives (strategy=... and its settings), to be planned as given; None
     where it gives none (the search then chooses)."""
-    if not any(o.split("=", 1)[0].lstrip("+~") == "strategy" for o in overrides):
+    if not chooses(overrides, "strategy"):
         return None
     from .. import strategies
 
