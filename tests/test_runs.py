@@ -158,8 +158,8 @@ def test_strategy_facts(parity_sweep: Path):
 def test_every_contender_gets_one_cpu_share_and_openmp_threads_that_sleep_while_waiting(parity_sweep: Path):
     """On a busy host each strategy gets what a one-process run gets: the ranks stay in the command's
     session (the autogroup scheduler's unit of CPU share), and no OpenMP thread spins on a core its
-    sibling needs. (single and dp ran in this process, whose torch was loaded before ddpexp could set
-    the wait policy: the next test runs one from the command line.)"""
+    sibling needs. (single and dp ran in this process, whose policy conftest set as the command line
+    does: the next test runs one from the command line itself.)"""
     for strategy in PARITY_STRATEGIES:
         facts = metrics(parity_sweep / f"strategy={strategy}")["facts"]
         assert facts["sessions"] == 1, strategy
