@@ -96,6 +96,21 @@ CASES: list[tuple[str, list[str]]] = [
     ("gpt_moe_tiny nd ep 2 W2", [*RANDOM, "strategy=nd", "strategy.ep=2", "dist.nprocs=2"]),
     ("gpt_moe_tiny nd ep 2 W4", [*RANDOM, "strategy=nd", "strategy.ep=2", "dist.nprocs=4"]),
     ("gpt_moe_tiny nd ep 4 W4", [*RANDOM, "strategy=nd", "strategy.ep=4", "dist.nprocs=4"]),
+    # Tensor parallelism splits each expert's hidden units (and the shared experts') over the tp ranks.
+    (
+        "gpt_moe_tiny nd tp 2 sp shared W2",
+        [
+            *RANDOM,
+            "strategy=nd",
+            "strategy.tp=2",
+            "strategy.sequence_parallel=true",
+            "model.moe.shared_experts=1",
+        ],
+    ),
+    (
+        "gpt_moe_tiny nd ep 2 tp 2 W4",
+        [*RANDOM, "strategy=nd", "strategy.ep=2", "strategy.tp=2", "dist.nprocs=4"],
+    ),
 ]
 
 

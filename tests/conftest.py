@@ -58,6 +58,7 @@ FILE_SECONDS = {
     "test_activation_checkpointing": 140,  # measured alone on 2026-11-26, load 4
     "test_local_sgd_diloco": 68,  # measured alone (-p no:xdist) on 2026-11-26, load 3-5
     "test_lm": 47,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by other runs (load 4.5)
+    "test_moe": 120,  # measured alone (-p no:xdist) on 2026-12-07, load 2: 118 s
     "test_compare": 39,
     "test_memory_model": 36,
     "test_faults_directories": 35,

@@ -33,7 +33,10 @@ REFUSALS = [
     ),
     ([*MOE, "strategy=nd", "strategy.ep=0"], ["strategy.ep", "positive"]),
     ([*MOE, "strategy=nd", "strategy.cp=2"], ["strategy.cp", "whole sequences", "strategy.cp=1"]),
-    ([*MOE, "strategy=nd", "strategy.tp=2"], ["model.moe", "tensor parallelism", "strategy.tp=1"]),
+    (
+        [*MOE, "model.moe.ffn_dim=90", "strategy=nd", "strategy.tp=4", "dist.nprocs=4"],
+        ["model.moe.ffn_dim", "90 hidden units of each expert", "multiple of strategy.tp=4"],
+    ),
     ([*MOE, "model.moe.top_k=5"], ["model.moe.top_k", "4 there are", "top_k<=4"]),
     ([*MOE, "model.moe.capacity_factor=0"], ["model.moe.capacity_factor", "null for dropless"]),
     (["task=regression"], ["task=regression", "class labels", "task=classification"]),

@@ -448,13 +448,15 @@ MOE_LAYOUTS = {  # experiment=moe's jobs: option -> (strategy, settings that dif
     "nd_ep": ("nd", {"ep": 2}),
     "nd_ep4": ("nd", {"ep": 4}),
     "nd_pp_ep": ("nd", {"pp": 2, "ep": 2}),
+    "nd_ep_tp": ("nd", {"ep": 2, "tp": 2, "sequence_parallel": True}),
 }
 
 
 @pytest.mark.usefixtures("hydra_conf")
 def test_moe_preset_runs_the_mixture_of_experts_under_data_and_expert_parallelism_at_world_4():
     """Composition only: gpt_moe_small (8 experts, top-2) at one global batch on 4 ranks under ddp,
-    fsdp, ep 2 and ep 4 over dp_shard 4, and pp 2 x dp_shard 2 x ep 2, each passing pre-flight."""
+    fsdp, ep 2 and ep 4 over dp_shard 4, pp 2 x dp_shard 2 x ep 2, and dp_shard 2 x ep 2 x tp 2, each
+    passing pre-flight."""
     from ddpexp.plan import HostFacts
     from ddpexp.preflight import check_job
 
@@ -472,8 +474,8 @@ def test_moe_preset_runs_the_mixture_of_experts_under_data_and_expert_parallelis
         assert (plan.world_size, plan.global_batch) == (4, 16)
         if strategy == "nd":
             d = resolved.degrees(4)
-            meshes.add((d.pp, d.dp_shard, resolved.settings.ep))
-    assert meshes == {(1, 4, 2), (1, 4, 4), (2, 2, 2)}
+            meshes.add((d.pp, d.dp_shard, d.tp, resolved.settings.ep))
+    assert meshes == {(1, 4, 1, 2), (1, 4, 1, 4), (2, 2, 1, 2), (1, 2, 2, 2)}
 
 
 def test_report_shows_the_pipeline_bubble_and_ps_staleness_only_for_the_runs_that_log_them(tmp_path: Path):

@@ -32,7 +32,7 @@ TEXT_MODELS = {"gcnn", "embbag"}
 TOKEN_DATA = {"python_stdlib", "synthetic_tokens", "text_files"}  # task=lm's
 # The published shapes are built on the meta device, as pre-flight and ddpexp-predict build them.
 GPT_MODELS = {"gpt", "gpt_tiny", "gpt_small", "gpt_moe_tiny", "gpt_moe_small"}
-EXPERT_PARALLEL = {"nd_ep", "nd_ep4", "nd_pp_ep"}
+EXPERT_PARALLEL = {"nd_ep", "nd_ep4", "nd_pp_ep", "nd_ep_tp"}
 PUBLISHED_SHAPES = set(PUBLISHED)
 CPU_HOST = HostFacts(cuda_devices=0, nccl=False, gloo=True, mpi=False)
 

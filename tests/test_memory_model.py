@@ -54,13 +54,16 @@ def test_predicted_memory_per_rank_matches_what_runs_measure(tmp_path: Path):
     with FSDP inside, and FSDP offloading its states to the host under fsdp and nd (dp_shard 2 x
     tp 2), float8 training alone and under fsdp, context parallelism (half of every sequence a
     rank: alone, under FSDP, in bf16 with RoPE), and a mixture of experts (single, fsdp, expert
-    parallelism over 2 and 4 ranks): every rank and category within 10%."""
+    parallelism over 2 and 4 ranks, tensor parallelism alone and with ep): every rank and category
+    within 10%."""
     cases = "convnet zero W3,convnet fsdp W3,convnet pipeline_1f1b W3,convnet ps W3,gpt_tiny nd_pp_fsdp W4"
     cases += ",W2 interleaved_zero_bubble,W2 dualpipev,W2 zbv ac=full"  # and nd_pp_fsdp W4's schedules
     cases += ",offload"  # fsdp W2 and nd_2d W4 with their states on the host: five categories
     cases += ",fp8"  # single and fsdp W2 with the blocks' linear layers in float8
     cases += ",nd_cp"  # cp 2 alone, dp_shard 2 x cp 2, cp 2 in bf16 with RoPE
-    cases += ",gpt_moe_tiny"  # a mixture of experts: single, fsdp W2, and ep 2 of W2 and W4, ep 4 of W4
+    # a mixture of experts: single, fsdp W2, ep 2 of W2 and W4, ep 4 of W4, tp 2 with sequence
+    # parallelism and shared experts, ep 2 x tp 2 of W4
+    cases += ",gpt_moe_tiny"
     script = ROOT / "scripts" / "memory_vs_measured.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--only", cases, "--out", str(tmp_path / "runs")],
@@ -74,7 +77,7 @@ def test_predicted_memory_per_rank_matches_what_runs_measure(tmp_path: Path):
     judged = summary.split(" (case")[0]  # "N of M"
     good, total = (int(x) for x in judged.split(" of "))
     # every rank of every case, four categories each, five offloaded
-    assert total == (3 + 3 + 3 + 3 + 3 * 4 + 2 + 2 + 2 + 1 + 2 + 2 + 4 + 2 + 13) * 4 + (2 + 4) * 5, (
+    assert total == (3 + 3 + 3 + 3 + 3 * 4 + 2 + 2 + 2 + 1 + 2 + 2 + 4 + 2 + 19) * 4 + (2 + 4) * 5, (
         proc.stdout
     )
     assert good == total, proc.stdout

@@ -61,6 +61,23 @@ def test_published_moe_shapes_have_their_published_parameter_counts(name: str):
     assert (model.num_params(), model.active_params()) == (total, active)
 
 
+def test_tensor_parallelism_plans_each_expert_split_by_hidden_unit_and_the_router_whole():
+    """The plan gives a MoE layer its own style (the router left out of it), its shared experts the
+    dense MLP's; the experts split on their hidden units."""
+    from ddpexp.models.moe import is_tensor_parallel_style
+    from ddpexp.strategies.nd import tensor_parallel
+
+    model = tiny(shared_experts=1)
+    plan = model.parallel_plan(tp=2, sequence_parallel=True)
+    assert is_tensor_parallel_style(plan["blocks.0.feed_forward"])
+    assert {"blocks.0.feed_forward.shared.w1", "blocks.0.feed_forward.shared.w2"} <= plan.keys()
+    assert not any("router" in path for path in plan)
+    dims = tensor_parallel.split_dims(model, plan)
+    experts = model.blocks[0].feed_forward.experts
+    assert [dims[id(experts.w1)], dims[id(experts.w2)], dims[id(experts.w3)]] == [1, 2, 1]
+    assert id(model.blocks[0].feed_forward.router.weight) not in dims
+
+
 def test_flops_per_token_count_the_experts_a_token_reaches():
     model = tiny()
     dense_part = model.active_params(non_embedding=True)
@@ -241,10 +258,12 @@ MOE = [
 ]
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 CLIP = ["trainer.clip_grad_norm=0.5", "trainer.accumulate=2"]  # below the gradient's norm: it clips
+SHARED = ["model.moe.shared_experts=1"]
 SWEPT = ["single", "ddp", "fsdp", "zero", "pipeline"]
 # name -> (arguments after MOE, world size, the run it must equal)
 ALONE: dict[str, tuple[list[str], int, str]] = {
     "init": (["strategy=single", "trainer.max_steps=0"], 1, ""),
+    "init shared": (["strategy=single", "trainer.max_steps=0", *SHARED], 1, ""),
     "nd dp_shard 2": (["strategy=nd", "strategy.dp_shard=2"], 2, "single"),
     "pipeline 2x2 accumulate 2": (
         ["strategy=pipeline", "strategy.replicas=2", "trainer.accumulate=2"],
@@ -275,8 +294,22 @@ ALONE: dict[str, tuple[list[str], int, str]] = {
     ),
     "nd ep 2 clip accumulate 2": (["strategy=nd", "strategy.ep=2", *CLIP], 2, "single clip accumulate 2"),
     "nd ep 2 capacity": (["strategy=nd", "strategy.ep=2", *CAPACITY], 2, "single capacity"),
+    # tensor parallelism: the router whole, each expert's hidden units split (see TENSOR_PARALLEL)
+    "nd tp 2": (["strategy=nd", "strategy.tp=2"], 2, "single"),
+    "single shared": (["strategy=single", *SHARED], 1, ""),
+    "nd tp 2 sp shared": (
+        ["strategy=nd", "strategy.tp=2", "strategy.sequence_parallel=true", *SHARED],
+        2,
+        "single shared",
+    ),
+    "nd dp_shard 2 ep 2 tp 2": (
+        ["strategy=nd", "strategy.dp_shard=2", "strategy.ep=2", "strategy.tp=2"],
+        4,
+        "single",
+    ),
 }
 EXPERT_PARALLEL = [name for name in ALONE if " ep " in name]
+TENSOR_PARALLEL = [name for name in ALONE if " tp " in name]
 PARITY = {
     **{name: (2, "single") for name in SWEPT if name != "single"},
     **{name: (world, equal) for name, (_, world, equal) in ALONE.items() if equal},
@@ -313,7 +346,8 @@ def test_strategies_train_the_mixture_of_experts_to_single_s_parameters_and_rout
 
     world, equal = PARITY[name]
     run, single = moe_runs[name], moe_runs[equal]
-    measured = drift(weights(run), weights(single), weights(moe_runs["init"]))
+    start = moe_runs["init shared" if equal == "single shared" else "init"]
+    measured = drift(weights(run), weights(single), weights(start))
     assert measured <= EXACT, f"{name}: a tensor drifted {measured:.3g} from {equal}'s, allowed {EXACT:g}"
     ours, theirs = metrics(run), metrics(single)
     assert ours["facts"]["world_size"] == world
@@ -366,16 +400,37 @@ def test_expert_parallel_all_to_alls_send_what_the_cost_model_declares(moe_runs:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", TENSOR_PARALLEL)
+def test_tensor_parallel_moe_layers_send_what_the_cost_model_declares(moe_runs: dict[str, Path], name: str):
+    """comm/bytes_per_step/tensor_parallel: besides attention's, each MoE layer's two all-reduces a
+    pass (the experts' outputs forward, the routed tokens' gradient backward: every choice this rank
+    routes, whatever the balance), its shared experts' column- and row-wise ones and, with sequence
+    parallelism, the gathers of its input and of its output's gradient."""
+    from ddpexp.predict import predicted_bytes
+
+    final = metrics(moe_runs[name])["final"]
+    measured = final["comm/bytes_per_step/tensor_parallel"]
+    assert measured == pytest.approx(predicted_bytes(moe_runs[name], kind="tensor_parallel"), rel=1e-12)
+    assert final["comm/bytes_per_step"] == pytest.approx(predicted_bytes(moe_runs[name]), rel=1e-12)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
 def test_an_expert_parallel_checkpoint_resumes_under_single_and_under_another_layout(
     moe_runs: dict[str, Path], tmp_path: Path
 ):
-    """Its state is whole (the experts gathered from their ranks): single and ep 4 over 4 ranks
-    continue from step 4 to the uninterrupted ep 2 run's parameters at step 8."""
+    """Its state is whole (the experts gathered from their ranks): single, ep 4 over 4 ranks and ep 2 x
+    tp 2 (the experts split by hidden unit too) continue from step 4 to the uninterrupted ep 2 run's
+    parameters at step 8."""
     from .test_gpt_parity import EXACT, drift
 
     uninterrupted = moe_runs["nd ep 2"]
     start = uninterrupted / "checkpoints" / "step-00000004.pt"
-    layouts = {"single": ["strategy=single"], "ep4": ["strategy=nd", "strategy.dp_shard=4", "strategy.ep=4"]}
+    layouts = {
+        "single": ["strategy=single"],
+        "ep4": ["strategy=nd", "strategy.dp_shard=4", "strategy.ep=4"],
+        "ep2_tp2": ["strategy=nd", "strategy.dp_shard=2", "strategy.ep=2", "strategy.tp=2"],
+    }
     for name, args in layouts.items():
         result = run_here(tmp_path, *MOE, *args, f'trainer.resume="{start}"', f"hydra.run.dir={name}")
         assert result.returncode == 0, result

@@ -292,8 +292,8 @@ def test_long_sequences_are_planned_with_context_parallelism_within_a_node():
 
 def test_a_mixture_of_experts_is_planned_with_expert_parallelism_and_no_tensor_parallelism():
     """EP over 2, 4, 8... ranks dividing the experts and a stage's data-parallel ranks, alone, with
-    stages and under HSDP; within a node and across nodes; no tp or cp meshes (MoE has no plan for
-    them), which a dense model still gets."""
+    stages and under HSDP; within a node and across nodes; no tp meshes (not planned for MoE) or cp
+    ones (refused for MoE), which a dense model still gets."""
     from ddpexp.planner.space import meshes
 
     cluster = load_cluster("8xh100_sxm", nodes=2)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UserError, require_positive
-from .moe import GroupedExperts, MoE, MoEConfig, moe_config
+from .moe import GroupedExperts, MoE, MoEConfig, moe_config, tensor_parallel_style
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -148,6 +148,17 @@ class FeedForward(nn.Module):
         if self.w3 is None:
             return self.w2(F.gelu(self.w1(x), approximate="tanh"))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _mlp_plan(at: str, mlp: FeedForward, output: Any) -> dict[str, Any]:
+    """A feed-forward's tensor-parallel styles: w1 and w3 split by output columns, w2 by input rows,
+    its output summed into `output`'s layout."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {f"{at}.w1": ColwiseParallel(), f"{at}.w2": RowwiseParallel(output_layouts=output)}
+    if mlp.w3 is not None:
+        plan[f"{at}.w3"] = ColwiseParallel()
+    return plan
 
 
 def _norm(cfg: GPTConfig) -> nn.Module:
@@ -336,41 +347,41 @@ class GPT(nn.Module):
                 f"{at}.attention.wk": ColwiseParallel(),
                 f"{at}.attention.wv": ColwiseParallel(),
                 f"{at}.attention.wo": RowwiseParallel(output_layouts=between),
-                f"{at}.feed_forward.w1": ColwiseParallel(),
-                f"{at}.feed_forward.w2": RowwiseParallel(output_layouts=between),
             }
-            if block.feed_forward.w3 is not None:
-                plan[f"{at}.feed_forward.w3"] = ColwiseParallel()
+            ffn = block.feed_forward
+            if isinstance(ffn, MoE):
+                # the router whole, each expert's hidden units split (moe.py); the shared experts as a
+                # dense MLP inside it, their output whole (the layer hands its output back as it came)
+                plan[f"{at}.feed_forward"] = tensor_parallel_style(sequence_parallel=sequence_parallel)
+                if isinstance(ffn.shared, FeedForward):
+                    plan |= _mlp_plan(f"{at}.feed_forward.shared", ffn.shared, Replicate())
+            else:
+                assert isinstance(ffn, FeedForward)
+                plan |= _mlp_plan(f"{at}.feed_forward", ffn, between)
             if sequence_parallel:
                 gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                plan |= {
-                    f"{at}.attention_norm": SequenceParallel(),
-                    f"{at}.attention": gather,
-                    f"{at}.ffn_norm": SequenceParallel(),
-                    f"{at}.feed_forward": gather,
-                }
+                plan |= {f"{at}.attention_norm": SequenceParallel(), f"{at}.attention": gather}
+                plan[f"{at}.ffn_norm"] = SequenceParallel()
+                if not isinstance(ffn, MoE):
+                    plan[f"{at}.feed_forward"] = gather
         return plan
 
     def _check_tp(self, tp: int, sequence_parallel: bool) -> None:
         cfg = self.config
-        for setting, on, what in (
-            ("model.moe", cfg.moe is not None, "mixture-of-experts layers"),
-            ("model.qk_norm", cfg.qk_norm, "per-head query/key norms"),
-        ):
-            if on:
-                raise UserError(
-                    f"tensor parallelism has no plan for {what} yet",
-                    setting=setting,
-                    fix="use strategy.tp=1 with this model (dp_shard, pp and strategy.ep spread it)"
-                    if cfg.moe is not None
-                    else "use strategy.tp=1 with this model, or model.qk_norm=false",
-                )
+        if cfg.qk_norm:
+            raise UserError(
+                "tensor parallelism has no plan for per-head query/key norms yet",
+                setting="model.qk_norm",
+                fix="use strategy.tp=1 with this model, or model.qk_norm=false",
+            )
         sizes = [
             ("model.n_head", cfg.n_head, "heads"),
             ("model.n_kv_head", cfg.n_kv_head, "key/value heads"),
             ("model.ffn_dim", cfg.ffn_dim, "MLP hidden units"),
             ("model.vocab_size", cfg.vocab_size, "vocabulary entries"),
         ]
+        if cfg.moe is not None:
+            sizes.append(("model.moe.ffn_dim", cfg.moe.ffn_dim, "hidden units of each expert"))
         if sequence_parallel:
             sizes.append(("model.block_size", cfg.block_size, "positions of the context"))
         for setting, size, what in sizes:

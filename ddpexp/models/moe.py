@@ -23,6 +23,15 @@ ceil(capacity_factor x L x K / E) of the tokens routed to it, the earliest posit
 choice contributes nothing (the token keeps its residual and its other choices). Per sequence again,
 so the rule does not depend on how the batch is split.
 
+Tensor parallelism (`MoETensorParallel`, the style a model's plan gives a MoE layer): the router stays
+whole on every tp rank, which route the same tokens alike; each expert's hidden units split over the
+tp ranks (w1 and w3 by rows, w2 by columns: Megatron-Core's expert tensor parallelism), so each rank's
+experts give a part of every routed token's output. The routed tokens enter the experts through an
+identity whose backward sums their gradient over the tp ranks, and the experts' outputs leave through
+a sum over the tp ranks (Megatron's f and g, around the experts wherever expert parallelism runs them:
+on this rank's own choices, so their sizes do not depend on the balance). With sequence parallelism
+the layer gathers the sequence at its input and hands back its part of the output.
+
 Every layer counts, while training, the choices each expert received and the choices dropped
 (`RoutingCounts`); the engine reads them once per epoch (`moe/load_max_over_mean`, `moe/dropped_frac`).
 """
@@ -30,10 +39,11 @@ Every layer counts, while training, the choices each expert received and the cho
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -140,10 +150,22 @@ def moe_config(settings: dict[str, Any] | None, *, n_layer: int, mlp_hidden: int
     return cfg
 
 
+def routed_per_sequence(cfg: MoEConfig, length: int) -> int:
+    """The choices a sequence of `length` tokens sends to the experts with balanced routing: all
+    length x top_k dropless, no more than the experts' capacities with a capacity factor."""
+    choices = length * cfg.top_k
+    if cfg.capacity_factor is None:
+        return choices
+    return min(choices, cfg.experts * math.ceil(cfg.capacity_factor * length * cfg.top_k / cfg.experts))
+
+
 class GroupedExperts(nn.Module):
     """The experts' weights, stacked: w1 and w3 (experts, ffn_dim, dim), w2 (experts, dim, ffn_dim).
     `forward(x, counts)`: x holds the tokens sorted by expert, counts[e] of them for the e-th expert
     this module holds (expert parallelism leaves a rank a slice of them: `first` is its first)."""
+
+    # the dimension of each stack that holds the hidden units (tensor parallelism splits it)
+    HIDDEN: ClassVar[dict[str, int]] = {"w1": 1, "w2": 2, "w3": 1}
 
     def __init__(self, experts: int, dim: int, ffn_dim: int, *, swiglu: bool) -> None:
         super().__init__()
@@ -193,6 +215,88 @@ class _AuxGradient(torch.autograd.Function):
         return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
 
 
+def _summed(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """x summed over `group`'s ranks, as a functional collective (which the tensor-parallel meter counts)."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(x.contiguous(), "sum", group.group_name))
+
+
+class _ToSplitExperts(torch.autograd.Function):
+    """Megatron's f: the routed tokens as they are; their gradient, each tp rank's part (its hidden
+    units'), summed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _summed(grad, ctx.group), None
+
+
+class _FromSplitExperts(torch.autograd.Function):
+    """Megatron's g: the experts' outputs, each tp rank's part, summed; the gradient (the same on every
+    tp rank) as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: Any) -> torch.Tensor:
+        return _summed(y, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def tensor_parallel_style(*, sequence_parallel: bool) -> Any:
+    """The ParallelStyle of a MoE layer in a model's tensor-parallel plan (see the module docstring);
+    its shared experts take the dense feed-forward's column- and row-wise styles beside it."""
+    return _style_class()(sequence_parallel)
+
+
+def is_tensor_parallel_style(style: Any) -> bool:
+    return isinstance(style, _style_class())
+
+
+@functools.cache
+def _style_class() -> type:
+    """Made on first use: torch.distributed.tensor takes most of a second to import."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class MoETensorParallel(ParallelStyle):
+        def __init__(self, sequence_parallel: bool) -> None:
+            self.sequence_parallel = sequence_parallel
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+            assert isinstance(module, MoE), module
+            experts = module.experts
+            for name, dim in GroupedExperts.HIDDEN.items():
+                weight = getattr(experts, name)
+                if weight is not None and not isinstance(weight, DTensor):
+                    split = distribute_tensor(weight.data, device_mesh, [Shard(dim)])
+                    experts.register_parameter(name, nn.Parameter(split, requires_grad=weight.requires_grad))
+            module.tensor_parallel = device_mesh.get_group()
+            if self.sequence_parallel:
+
+                def gather(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+                    x = args[0]
+                    if isinstance(x, DTensor):
+                        x = x.redistribute(device_mesh, [Replicate()]).to_local()
+                    return (x, *args[1:])
+
+                def split_back(_: nn.Module, args: Any, out: torch.Tensor) -> Any:
+                    whole = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+                    return whole.redistribute(device_mesh, [Shard(1)]).to_local()
+
+                module.register_forward_pre_hook(gather)
+                module.register_forward_hook(split_back)
+            return module
+
+    return MoETensorParallel
+
+
 class RoutingCounts:
     """What one MoE layer routed while training, on its device, read once per epoch (`take`): choices
     per expert, choices dropped, and the auxiliary loss summed over forwards with its sequence count.
@@ -236,6 +340,8 @@ class MoE(nn.Module):
         # Expert parallelism sets this: (tokens sorted by expert, counts per expert) -> their outputs,
         # run where the experts are; None: here.
         self.run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
+        # MoETensorParallel sets this: the process group the experts' hidden units split over.
+        self.tensor_parallel: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
@@ -282,7 +388,12 @@ class MoE(nn.Module):
             choice = choice[chosen.argsort(stable=True)]
             counts = torch.bincount(chosen, minlength=experts).tolist()
         run = self.experts if self.run_experts is None else self.run_experts
-        y = run(tokens[choice // k], counts)
+        routed = tokens[choice // k]
+        if self.tensor_parallel is not None:
+            routed = _ToSplitExperts.apply(routed, self.tensor_parallel)
+        y = run(routed, counts)
+        if self.tensor_parallel is not None:
+            y = _FromSplitExperts.apply(y, self.tensor_parallel)
         y = y * weights[choice].to(y.dtype)[:, None]
         return torch.zeros(tokens.shape, dtype=y.dtype, device=y.device).index_add_(0, choice // k, y)
 

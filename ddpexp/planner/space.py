@@ -113,10 +113,11 @@ def meshes(
     holding that share of every sequence; torchtitan's long-context layout) with FSDP over the rest.
     Sizes that do not divide the world (or, for cp, 2 x cp chunks of the sequence) are left out.
 
-    A mixture of experts (`experts` per layer) has no tensor- or context-parallel plan: its meshes are
-    FSDP's and pipeline's, and each with expert parallelism over 2, 4, 8... ranks (experts and the
-    data-parallel ranks divisible by it): within a node the all-to-alls stay on its links, across
-    nodes they cross the network (the plan prices both)."""
+    A mixture of experts (`experts` per layer) is not planned with tensor parallelism (it runs, but
+    its meshes would double the search, each slower to predict) and refuses context parallelism: its
+    meshes are FSDP's and pipeline's, and each with expert parallelism over 2, 4, 8... ranks (experts
+    and the data-parallel ranks divisible by it): within a node the all-to-alls stay on its links,
+    across nodes they cross the network (the plan prices both)."""
     world, per_node = cluster.devices, cluster.devices_per_node
     split: dict[str, Any] = {"sequence_parallel": True} | ({"loss_parallel": True} if loss_parallel else {})
     named = " sp lp" if loss_parallel else " sp"

@@ -165,7 +165,8 @@ class Nd(Strategy[NdConfig]):
 
     def default_nprocs(self, *, device_type: str, host: HostFacts, devices_per_process: int) -> int:
         """The product of the degrees; with one of them -1, the most whole multiples of the others'
-        product the host's default (its GPUs; 2 on a CPU) holds, at least one."""
+        product the host's default (its GPUs; 2 on a CPU) holds, at least one (dp_shard -1 with
+        expert parallelism: a multiple of ep, which splits it)."""
         s = self.settings
         given = (s.pp, s.dp_replicate, s.dp_shard, s.cp, s.tp)
         if any(g == 0 or g < -1 for g in given):
@@ -173,6 +174,8 @@ class Nd(Strategy[NdConfig]):
         fixed = math.prod(g for g in given if g != -1)
         if -1 not in given:
             return fixed
+        if s.dp_shard == -1 and s.ep > 1:
+            fixed *= s.ep
         default = super().default_nprocs(
             device_type=device_type, host=host, devices_per_process=devices_per_process
         )
@@ -256,7 +259,7 @@ class Nd(Strategy[NdConfig]):
                 }
                 tensor_parallel.apply(model, mesh["tp"], mine)
             if ep > 1:
-                expert_parallel.split(part, mesh["ep"])
+                expert_parallel.split(part, mesh)
             if degrees.fsdp > 1:
                 from torch.distributed.fsdp import fully_shard
 
@@ -436,9 +439,7 @@ class Nd(Strategy[NdConfig]):
         if ep > 1:  # each rank its 1/ep of the experts, whole: FSDP neither shards nor gathers them
             units = [[p for p in unit if p not in experts] for unit in units]
         own = gathered_sizes(job)
-        split = self._tensor_split(degrees) if degrees.tp > 1 else None
-        if ep > 1:  # (a mixture of experts has no tensor-parallel plan)
-            split = expert_parallel.predicted_split(ep)
+        split = self._tensor_split(degrees, ep) if degrees.tp > 1 or ep > 1 else None
         split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel, ep)
         held: dict[tuple[int, ...], Held] = {}  # ranks at the same stage and chunks hold alike
         per_stage: dict[int, tuple[list[nn.Parameter], Held, list[list[nn.Parameter]]]] = {}
@@ -466,7 +467,7 @@ class Nd(Strategy[NdConfig]):
                         shard_of(shape, degrees.shard, at["dp_shard"] * degrees.cp + at["cp"])
                         * p.element_size()
                         if not (ep > 1 and p in experts)
-                        else p.numel() // ep * p.element_size()
+                        else math.prod(shape) // ep * p.element_size()
                     )
                     sharded += mine
                     trained += mine if p.requires_grad else 0
@@ -502,16 +503,21 @@ class Nd(Strategy[NdConfig]):
         s = self.settings
         return Pipe(s.schedule, pp, s.microbatches, stages_per_rank(s.schedule, s.stages_per_rank))
 
-    def _tensor_split(self, degrees: Degrees) -> Callable[[nn.Module], None]:
-        """Tensor parallelism's split of a model, on this job's mesh (of the process group in force)."""
+    def _tensor_split(self, degrees: Degrees, ep: int) -> Callable[[nn.Module], None]:
+        """Tensor parallelism's split of a model, on this job's mesh (of the process group in force),
+        then expert parallelism's routing as one rank of `ep` runs it (balanced)."""
+        routed = expert_parallel.predicted_split(ep) if ep > 1 else None
 
         def split(model: nn.Module) -> None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            # The first ranks of the process group in force (it may hold more: a prediction's fake one).
-            ranks = torch.arange(degrees.world).reshape(degrees.shape)
-            mesh = DeviceMesh("cpu", ranks, mesh_dim_names=NAMES)
-            tensor_parallel.apply(model, mesh["tp"], self._plan(model, degrees.tp))
+            if degrees.tp > 1:
+                # The first ranks of the process group in force (it may hold more: a prediction's fake one).
+                ranks = torch.arange(degrees.world).reshape(degrees.shape)
+                mesh = DeviceMesh("cpu", ranks, mesh_dim_names=NAMES)
+                tensor_parallel.apply(model, mesh["tp"], self._plan(model, degrees.tp))
+            if routed is not None:
+                routed(model)
 
         return split
 
@@ -655,6 +661,7 @@ class Nd(Strategy[NdConfig]):
                 expert_parallel.expert_reduction(
                     experts,
                     ep=ep,
+                    tp=degrees.tp,
                     replicas=degrees.fsdp // ep,
                     inter_node=replica_spans,
                     per_node=max(1, job.procs_per_node // (degrees.tp * ep)),

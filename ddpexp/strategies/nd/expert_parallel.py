@@ -16,6 +16,10 @@ the other way round). Both are counted by the meter as kinds `expert_dispatch` (
 and its gradient in the backward, with the counts) and `expert_combine`, by the bytes each rank
 contributes, its own part included, as the meter counts every collective.
 
+With tensor parallelism each expert's hidden units are split over the tp ranks too (models/moe.py's
+MoETensorParallel): the stacks are DTensors on ep x tp, split by expert and by hidden unit; each tp
+rank routes the same tokens, so the ep ranks at each tp place exchange them among themselves.
+
 The other parameters are FSDP's over the data-parallel ranks as without EP. The experts are left out
 of FSDP (`ignored_params`) and are not sharded further: the dp_shard / ep x dp_replicate ranks at the
 same place of their ep groups hold the same experts and all-reduce their gradients (Megatron-Core's
@@ -26,7 +30,6 @@ by the data-parallel size, as FSDP averages the rest.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UserError
-from ...models.moe import MoE, routing_layers
+from ...models.moe import MoE, routed_per_sequence, routing_layers
 from ..comm import Collective, CommMeter
 
 if TYPE_CHECKING:
@@ -93,12 +96,18 @@ def expert_params(module: nn.Module) -> set[nn.Parameter]:
 
 
 def split(part: nn.Module, mesh: DeviceMesh) -> None:
-    """Each rank of `mesh` (an ep group) keeps its share of the experts of `part`'s MoE layers."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Each rank of `mesh`'s ep groups keeps its share of the experts of `part`'s MoE layers. Experts
+    tensor parallelism split already (DTensors on its tp mesh) are split over ep x tp, by expert and
+    by hidden unit."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     for layer in routing_layers(part):
         for name, param in list(layer.experts.named_parameters(recurse=False)):
-            shard = distribute_tensor(param.data, mesh, [Shard(0)])
+            if isinstance(param, DTensor):
+                whole = param.data.full_tensor()  # type: ignore[attr-defined]  # .data of a DTensor is one
+                shard = distribute_tensor(whole, mesh["ep", "tp"], [Shard(0), *param.placements])
+            else:
+                shard = distribute_tensor(param.data, mesh["ep"], [Shard(0)])
             layer.experts.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
 
@@ -263,10 +272,7 @@ def communication(
         return []
     cfg = layers[0].cfg
     dim = layers[0].router.in_features
-    kept = length * cfg.top_k
-    if cfg.capacity_factor is not None:
-        kept = min(kept, cfg.experts * math.ceil(cfg.capacity_factor * length * cfg.top_k / cfg.experts))
-    rows = micro_batch * kept
+    rows = micro_batch * routed_per_sequence(cfg, length)
     calls = len(layers) * passes
     counts = cfg.experts * 8 * calls
     dispatched = rows * dim * (token_size + output_size) * calls
@@ -297,11 +303,11 @@ def communication(
 
 
 def expert_reduction(
-    experts: set[nn.Parameter], *, ep: int, replicas: int, inter_node: bool, per_node: int
+    experts: set[nn.Parameter], *, ep: int, tp: int, replicas: int, inter_node: bool, per_node: int
 ) -> Collective:
-    """The experts' gradients, this rank's 1/ep of them, all-reduced once a step in one flat buffer
-    over the `replicas` ranks holding the same experts (`sync_expert_grads`)."""
-    nbytes = float(sum(p.numel() // ep * p.element_size() for p in experts))
+    """The experts' gradients, this rank's 1/ep of them (of their hidden units 1/tp), all-reduced once
+    a step in one flat buffer over the `replicas` ranks holding the same experts (`sync_expert_grads`)."""
+    nbytes = float(sum(p.numel() // (ep * tp) * p.element_size() for p in experts))
     return Collective(
         "the experts' gradients, all-reduced over the ranks holding the same experts",
         "all_reduce",

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...errors import UserError
+from ...models import moe
 from ..comm import Collective, CommMeter, Overlap
 
 if TYPE_CHECKING:
@@ -244,7 +245,10 @@ def communication(
         inputs, output, shape = shapes[path]
         given = _arrives_as_dtensor(plan, path)
         module = model.get_submodule(path)
-        traffic = _style_traffic(style, inputs, output, module, given, param_dtype)
+        if moe.is_tensor_parallel_style(style):
+            traffic = _moe_traffic(style, inputs[0], output, module, shape)
+        else:
+            traffic = _style_traffic(style, inputs, output, module, given, param_dtype)
         if path in float8:
             traffic += _float8_scales(style, float8_weights_gathered)
         if _keeps_output_split(style):
@@ -300,7 +304,7 @@ def _module_shapes(
             return tuple(a.to(autocast_dtype) if _floating(a) else a for a in args)
 
         for prefix, module in model.named_modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear | moe.GroupedExperts):
                 handles.append(module.register_forward_pre_hook(lower))
                 for name, p in module.named_parameters(prefix=prefix):
                     cast[name] = p.to(autocast_dtype)
@@ -335,12 +339,20 @@ def local_shapes(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[int, t
 def split_dims(model: nn.Module, plan: dict[str, Any]) -> dict[int, int]:
     """The dimension the plan splits each parameter on (by id): a column-wise Linear's weight and bias
     on dim 0 (an Embedding's weight on dim 1), a row-wise Linear's weight on dim 1 (its bias whole), a
-    row-wise Embedding's weight on dim 0. Parameters it does not split are absent."""
+    row-wise Embedding's weight on dim 0, a MoE layer's experts on their hidden units. Parameters it
+    does not split are absent."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     out: dict[int, int] = {}
     for path, style in plan.items():
         module = model.get_submodule(path)
+        if moe.is_tensor_parallel_style(style):  # each expert's hidden units
+            assert isinstance(module, moe.MoE)
+            for name, dim in moe.GroupedExperts.HIDDEN.items():
+                weight = getattr(module.experts, name)
+                if weight is not None:
+                    out[id(weight)] = dim
+            continue
         embedding = isinstance(module, nn.Embedding)
         bias = getattr(module, "bias", None)
         if isinstance(style, ColwiseParallel):
@@ -431,6 +443,31 @@ def _style_traffic(
         if params:  # the norms' weights are replicated: their gradients summed once, after the last pass
             what = "sequence-parallel norms' weight gradient all-reduce, once per step"
             out.append(_Traffic(what, "all_reduce", params, once=True))
+    return out
+
+
+def _moe_traffic(
+    style: Any, given: int, output: int, layer: nn.Module, shape: tuple[int, ...]
+) -> list[_Traffic]:
+    """A MoE layer's (models/moe.py's MoETensorParallel) on an input and output of these sizes (whole)
+    and this shape (B, L, dim): each forward, the experts' outputs for every choice the capacity keeps
+    summed over the tp ranks; each backward, the routed tokens' gradient summed likewise. With
+    sequence parallelism the input is gathered forward and the output's gradient backward (the
+    output is split by slicing, which sends nothing)."""
+    assert isinstance(layer, moe.MoE)
+    length = shape[1]
+    routed = moe.routed_per_sequence(layer.cfg, length) / length  # choices per token
+    out = [
+        _Traffic(
+            "experts' outputs all-reduce (expert tensor parallel), forward", "all_reduce", output * routed
+        ),
+        _Traffic("routed tokens' gradient all-reduce (expert tensor parallel)", "all_reduce", given * routed),
+    ]
+    if style.sequence_parallel:
+        out += [
+            _Traffic("input all-gather (sequence parallel), forward", "all_gather", given),
+            _Traffic("output gradient all-gather (sequence parallel)", "all_gather", output),
+        ]
     return out
 
 
