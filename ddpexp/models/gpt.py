@@ -360,9 +360,12 @@ class GPT(nn.Module):
                 plan |= _mlp_plan(f"{at}.feed_forward", ffn, between)
             if sequence_parallel:
                 gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                plan |= {f"{at}.attention_norm": SequenceParallel(), f"{at}.attention": gather}
-                plan[f"{at}.ffn_norm"] = SequenceParallel()
-                if not isinstance(ffn, MoE):
+                plan |= {
+                    f"{at}.attention_norm": SequenceParallel(),
+                    f"{at}.attention": gather,
+                    f"{at}.ffn_norm": SequenceParallel(),
+                }
+                if not isinstance(ffn, MoE):  # a MoE layer's own style gathers its input
                     plan[f"{at}.feed_forward"] = gather
         return plan
 

@@ -150,13 +150,18 @@ def moe_config(settings: dict[str, Any] | None, *, n_layer: int, mlp_hidden: int
     return cfg
 
 
+def capacity(cfg: MoEConfig, capacity_factor: float, length: int) -> int:
+    """The choices each expert takes of a sequence of `length` tokens: ceil(cf x L x K / E)."""
+    return math.ceil(capacity_factor * length * cfg.top_k / cfg.experts)
+
+
 def routed_per_sequence(cfg: MoEConfig, length: int) -> int:
     """The choices a sequence of `length` tokens sends to the experts with balanced routing: all
     length x top_k dropless, no more than the experts' capacities with a capacity factor."""
     choices = length * cfg.top_k
     if cfg.capacity_factor is None:
         return choices
-    return min(choices, cfg.experts * math.ceil(cfg.capacity_factor * length * cfg.top_k / cfg.experts))
+    return min(choices, cfg.experts * capacity(cfg, cfg.capacity_factor, length))
 
 
 class GroupedExperts(nn.Module):
@@ -369,10 +374,9 @@ class MoE(nn.Module):
         cf = self.cfg.capacity_factor
         if cf is None or _shapes_only(chosen):
             return None
-        capacity = math.ceil(cf * length * self.cfg.top_k / self.cfg.experts)
         onehot = F.one_hot(chosen, self.cfg.experts)  # (B, L*K, E)
         place = (onehot.cumsum(1) * onehot).sum(-1)  # 1-based place in its expert's queue
-        return (place <= capacity).reshape(-1)
+        return (place <= capacity(self.cfg, cf, length)).reshape(-1)
 
     def _dispatch(
         self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor | None

@@ -439,7 +439,7 @@ class Nd(Strategy[NdConfig]):
         if ep > 1:  # each rank its 1/ep of the experts, whole: FSDP neither shards nor gathers them
             units = [[p for p in unit if p not in experts] for unit in units]
         own = gathered_sizes(job)
-        split = self._tensor_split(degrees, ep) if degrees.tp > 1 or ep > 1 else None
+        split = self._predicted_split(degrees, ep) if degrees.tp > 1 or ep > 1 else None
         split_key = (degrees.tp, self.settings.sequence_parallel, self.settings.loss_parallel, ep)
         held: dict[tuple[int, ...], Held] = {}  # ranks at the same stage and chunks hold alike
         per_stage: dict[int, tuple[list[nn.Parameter], Held, list[list[nn.Parameter]]]] = {}
@@ -503,9 +503,10 @@ class Nd(Strategy[NdConfig]):
         s = self.settings
         return Pipe(s.schedule, pp, s.microbatches, stages_per_rank(s.schedule, s.stages_per_rank))
 
-    def _tensor_split(self, degrees: Degrees, ep: int) -> Callable[[nn.Module], None]:
-        """Tensor parallelism's split of a model, on this job's mesh (of the process group in force),
-        then expert parallelism's routing as one rank of `ep` runs it (balanced)."""
+    def _predicted_split(self, degrees: Degrees, ep: int) -> Callable[[nn.Module], None]:
+        """The model as one rank holds it, for the memory model: tensor parallelism's split on this
+        job's mesh (of the process group in force), then expert parallelism's routing as one rank of
+        `ep` runs it (balanced)."""
         routed = expert_parallel.predicted_split(ep) if ep > 1 else None
 
         def split(model: nn.Module) -> None:
