@@ -1,6 +1,7 @@
 # Two commands do the whole set-up on a fresh machine (Python 3.11 + pip):
 #   make run    creates .venv on first use, then runs the default experiment
 #   make test   creates .venv on first use, then lint + type check + the docs site build + the test suite (what CI runs)
+#   make test-fast  the fast tier while editing: the cheapest tests within tests/tiers.py's budget
 #   make docs   serves the documentation site (MkDocs + Material) at http://127.0.0.1:8000, rebuilding on edits
 PYTHON ?= python3
 # The suite in 2 pytest-xdist workers, a test file per worker at a time (files share fixtures): much
@@ -11,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck docs docs-build pytest constraints clean
+.PHONY: run test test-fast durations lint typecheck docs docs-build pytest constraints clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,13 @@ docs-build: $(STAMP)
 
 pytest: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m fast $(PYTEST_ARGS)
+
+# The whole suite, each test's seconds merged into the record the fast tier is chosen from.
+durations: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) --record-durations tests/durations.json
 
 constraints: $(STAMP)
 	{ head -2 constraints.txt; $(PY) -m pip freeze --exclude-editable | sort -f; } > constraints.new && mv constraints.new constraints.txt

@@ -22,6 +22,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
+from .tiers import mark_fast, pytest_addoption, pytest_configure  # noqa: F401 (hooks pytest finds here)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A shell that starts a command in the background without job control (`make test &` in a script)
@@ -76,6 +78,7 @@ FILE_SECONDS = {
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.stem, 0))  # stable: a file's tests stay together
+    mark_fast(items)
 
 
 class Result:

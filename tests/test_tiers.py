@@ -1,0 +1,107 @@
+"""The fast tier (tests/tiers.py): chosen from the measured record, within its budget, the same set
+whatever is run, and a record that `--record-durations` keeps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import REPO
+from .tiers import DURATIONS, FAST_BUDGET_S, fast_tier
+
+
+def entry(call: float, setup: float = 0.0, fixtures: list[str] | None = None) -> dict:
+    return {"setup": setup, "call": call, "teardown": 0.0, "fixtures": fixtures or []}
+
+
+def test_the_tier_takes_the_cheapest_tests_that_fit_the_budget() -> None:
+    record = {
+        "t::slow": entry(8.0),
+        "t::quick": entry(1.0),
+        "t::middle": entry(3.0, setup=1.0),
+        "t::a": entry(2.0),
+    }
+    assert fast_tier(record, budget=7.0) == {"t::quick", "t::a", "t::middle"}
+    assert fast_tier(record, budget=6.9) == {"t::quick", "t::a"}
+    assert fast_tier(record, budget=0.5) == set()
+
+
+def test_a_shared_fixture_is_counted_once_at_what_its_first_user_paid() -> None:
+    """Tests that share a training run made once (a session fixture) look free in the record but for the
+    one that made it; in the tier, whichever runs first pays again. They come in together or not at all."""
+    trained = ["trained"]
+    record = {
+        "t::made_it": entry(0.1, setup=40.0, fixtures=trained),
+        "t::reads_it": entry(0.1, fixtures=trained),
+        "t::reads_it_too": entry(0.2, fixtures=trained),
+        "t::plain": entry(5.0),
+    }
+    assert fast_tier(record, budget=10.0) == {"t::plain"}
+    assert fast_tier(record, budget=46.0) == set(record)
+
+
+def test_the_tier_is_the_same_whatever_is_collected() -> None:
+    """`pytest -m fast tests/test_x.py` runs test_x's share of the whole tier, not a tier of its own."""
+    record = json.loads(DURATIONS.read_text())
+    tier = fast_tier(record, FAST_BUDGET_S)
+    one_file = {nodeid: entry for nodeid, entry in record.items() if nodeid.startswith("tests/test_cli.py::")}
+    assert tier & set(one_file)
+    assert len(tier) > len(tier & set(one_file))
+
+
+def test_the_recorded_tier_fits_its_budget_and_spans_the_suite() -> None:
+    record = json.loads(DURATIONS.read_text())
+    tier = fast_tier(record, FAST_BUDGET_S)
+    spent = sum(
+        record[nodeid]["call"] + record[nodeid]["setup"] + record[nodeid]["teardown"] for nodeid in tier
+    )
+    assert spent <= FAST_BUDGET_S
+    files = {nodeid.split("::")[0] for nodeid in record}
+    assert len({nodeid.split("::")[0] for nodeid in tier}) >= 0.6 * len(files)
+
+
+def test_record_durations_merges_each_tests_phases_and_shared_fixtures(tmp_path: Path) -> None:
+    """Through pytest-xdist, as `make durations` records: the workers' reports carry each test's broad
+    fixtures to the controller, which merges them into the record and keeps the entries it did not run."""
+    record = tmp_path / "durations.json"
+    record.write_text(json.dumps({"tests/test_gone.py::test_kept": entry(1.5)}))
+    unit = "tests/test_tiers.py::test_the_tier_takes_the_cheapest_tests_that_fit_the_budget"
+    shared = "tests/test_architecture.py::test_run_returns_the_result_of_a_job_run_in_this_process"
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider"),
+            *(f"--basetemp={tmp_path / 'base'}", "--record-durations", str(record), unit, shared),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = json.loads(record.read_text())
+    assert written["tests/test_gone.py::test_kept"] == entry(1.5)
+    assert set(written[unit]) == {"setup", "call", "teardown", "fixtures"} and written[unit]["fixtures"] == []
+    assert written[shared]["fixtures"] == ["test_architecture.py::single_run"]
+    assert written[shared]["setup"] > written[unit]["setup"]  # it trained the shared run
+
+
+def test_make_test_fast_runs_the_tier_and_nothing_else() -> None:
+    """The documented command, collecting instead of running (this environment's Python, no venv made)."""
+    proc = subprocess.run(
+        [
+            "make",
+            "test-fast",
+            f"PY={sys.executable}",
+            "STAMP=",
+            "PYTEST_ARGS=--collect-only -q -p no:cacheprovider",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = {line for line in proc.stdout.splitlines() if "::" in line}
+    assert collected and collected <= fast_tier(json.loads(DURATIONS.read_text()), FAST_BUDGET_S)
