@@ -42,19 +42,20 @@ class Recorder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.seconds: dict[str, dict] = {}
-        self.failed: set[str] = set()
+        self.untold: set[str] = set()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         entry = self.seconds.setdefault(report.nodeid, {})
         entry[report.when] = round(report.duration, 3)
         entry["fixtures"] = dict(report.user_properties).get("fixtures", [])
-        if report.failed:
-            self.failed.add(report.nodeid)
+        if not report.passed:
+            self.untold.add(report.nodeid)
 
     def pytest_sessionfinish(self) -> None:
-        """Merges what passed: a test that failed (or was stopped by its timeout) took no telling time."""
+        """Merges what passed: a test that failed, was stopped by its timeout or skipped here (a GPU test)
+        took no telling time."""
         record = json.loads(self.path.read_text()) if self.path.exists() else {}
-        record.update((nodeid, entry) for nodeid, entry in self.seconds.items() if nodeid not in self.failed)
+        record.update((nodeid, entry) for nodeid, entry in self.seconds.items() if nodeid not in self.untold)
         lines = (f"{json.dumps(nodeid)}: {json.dumps(entry)}" for nodeid, entry in sorted(record.items()))
         self.path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # a line per test, for readable diffs
 
