@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .conftest import REPO
-from .tiers import DURATIONS, FAST_BUDGET_S, fast_tier
+from .tiers import FAST_BUDGET_S, fast_tier, load_record
 
 
 def entry(call: float, setup: float = 0.0, fixtures: list[str] | None = None) -> dict:
@@ -46,15 +46,13 @@ def test_a_shared_fixture_is_counted_once_at_what_its_first_user_paid() -> None:
 
 def test_the_tier_is_the_same_whatever_is_collected() -> None:
     """`pytest -m fast tests/test_x.py` runs test_x's share of the whole tier, not a tier of its own."""
-    record = json.loads(DURATIONS.read_text())
-    tier = fast_tier(record, FAST_BUDGET_S)
-    one_file = {nodeid: entry for nodeid, entry in record.items() if nodeid.startswith("tests/test_cli.py::")}
-    assert tier & set(one_file)
-    assert len(tier) > len(tier & set(one_file))
+    tier = fast_tier(load_record(), FAST_BUDGET_S)
+    one_file = {nodeid for nodeid in tier if nodeid.startswith("tests/test_cli.py::")}
+    assert one_file and len(tier) > len(one_file)
 
 
 def test_the_recorded_tier_fits_its_budget_and_spans_the_suite() -> None:
-    record = json.loads(DURATIONS.read_text())
+    record = load_record()
     tier = fast_tier(record, FAST_BUDGET_S)
     spent = sum(record[nodeid].get(phase, 0.0) for nodeid in tier for phase in ("setup", "call", "teardown"))
     assert spent <= FAST_BUDGET_S
@@ -81,7 +79,7 @@ def test_record_durations_merges_each_tests_phases_and_shared_fixtures(tmp_path:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    written = json.loads(record.read_text())
+    written = load_record(record)
     assert written["tests/test_gone.py::test_kept"] == entry(1.5)
     assert set(written[unit]) == {"setup", "call", "teardown", "fixtures"} and written[unit]["fixtures"] == []
     assert written[shared]["fixtures"] == ["test_architecture.py::single_run"]
@@ -106,4 +104,4 @@ def test_make_test_fast_runs_the_tier_and_nothing_else() -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     collected = {line for line in proc.stdout.splitlines() if "::" in line}
-    assert collected and collected <= fast_tier(json.loads(DURATIONS.read_text()), FAST_BUDGET_S)
+    assert collected and collected <= fast_tier(load_record(), FAST_BUDGET_S)

@@ -20,6 +20,11 @@ DURATIONS = Path(__file__).with_name("durations.json")
 FAST_BUDGET_S = 200.0
 
 
+def load_record(path: Path = DURATIONS) -> dict[str, dict]:
+    """node id -> {"setup", "call", "teardown": seconds, "fixtures": the broad fixtures it uses}."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--record-durations",
@@ -54,7 +59,7 @@ class Recorder:
     def pytest_sessionfinish(self) -> None:
         """Merges what passed: a test that failed, was stopped by its timeout or skipped here (a GPU test)
         took no telling time."""
-        record = json.loads(self.path.read_text()) if self.path.exists() else {}
+        record = load_record(self.path)
         record.update((nodeid, entry) for nodeid, entry in self.seconds.items() if nodeid not in self.untold)
         lines = (f"{json.dumps(nodeid)}: {json.dumps(entry)}" for nodeid, entry in sorted(record.items()))
         self.path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # a line per test, for readable diffs
@@ -110,8 +115,7 @@ def fast_tier(record: dict[str, dict], budget: float) -> set[str]:
 
 def mark_fast(items: list[pytest.Item]) -> None:
     """Marks the tier's tests, and has each test's report carry its broad fixtures for the record."""
-    record = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    chosen = fast_tier(record, FAST_BUDGET_S)
+    chosen = fast_tier(load_record(), FAST_BUDGET_S)
     for item in items:
         item.user_properties.append(("fixtures", broad_fixtures(item)))
         if item.nodeid in chosen:
