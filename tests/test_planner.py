@@ -191,22 +191,32 @@ def test_time_and_cost_carry_the_range_the_held_out_validation_measured(tmp_path
         ],
     }
     (tmp_path / "record.json").write_text(json.dumps(record))
-    args = ["--cluster", "8xh100_sxm", "--tokens", "1e9", "--validation", str(tmp_path / "record.json")]
+    # one layout given, not a search: the ranges are the same whichever plans carry them
+    given = ["strategy=ddp", "trainer.accumulate=1", "trainer.activation_checkpointing=none"]
+    args = [
+        *given,
+        "--cluster",
+        "8xh100_sxm",
+        "--tokens",
+        "1e9",
+        "--validation",
+        str(tmp_path / "record.json"),
+    ]
     result = plan(tmp_path, *args, "--format", "json")
     assert result.returncode == 0, result
     out = json.loads(result.stdout)
     assert out["ranges_from"].startswith("measured / predicted step time 0.80-1.50 over 2 held-out runs")
-    for p in (p for p in out["plans"] if p["fits"]):
-        assert p["time_s_range"] == pytest.approx([0.8 * p["time_s"], 1.5 * p["time_s"]])
-        assert p["cost_usd_range"] == pytest.approx([0.8 * p["cost_usd"], 1.5 * p["cost_usd"]])
+    (row,) = out["plans"]
+    assert row["fits"] and row["mesh"] == "ddp"
+    assert row["time_s_range"] == pytest.approx([0.8 * row["time_s"], 1.5 * row["time_s"]])
+    assert row["cost_usd_range"] == pytest.approx([0.8 * row["cost_usd"], 1.5 * row["cost_usd"]])
     table = plan(tmp_path, *args).stdout.splitlines()
     assert table[1] == (
         "Time and cost ranges: measured / predicted step time 0.80-1.50 over 2 held-out runs "
         "(a test host, 2026-11-27)."
     )
     (ddp,) = [line for line in table if line.startswith("ddp ")]
-    ddp_json = next(p for p in out["plans"] if p["mesh"] == "ddp")
-    low, high = (v / 60 for v in ddp_json["time_s_range"])
+    low, high = (v / 60 for v in row["time_s_range"])
     assert f"min ({low:.1f}-{high:.1f})" in ddp  # the time column, with its range
 
 
