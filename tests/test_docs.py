@@ -49,6 +49,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -405,8 +406,19 @@ def test_each_strategy_page_lists_its_settings_and_options():
 RUN_PAGES = [p for p in pages() if any(b.runs for b in blocks(p))]
 
 
+def _page(page: Path) -> Any:
+    """The page as a test case: each block is stopped at BLOCK_TIMEOUT_S (a hang), so the page's timeout
+    is theirs together; the suite's default would stop a page of several long blocks that all work."""
+    runs = sum(
+        max(1, prepared(b).count("\n$ ") + prepared(b).startswith("$ ")) for b in blocks(page) if b.runs
+    )
+    return pytest.param(
+        page, id=str(page.relative_to(REPO)), marks=pytest.mark.timeout(BLOCK_TIMEOUT_S * runs)
+    )
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(REPO)) for p in RUN_PAGES])
+@pytest.mark.parametrize("page", [_page(p) for p in RUN_PAGES])
 def test_the_page_s_examples_run(page: Path, tmp_path: Path):
     for block in blocks(page):
         run_block(block, tmp_path)

@@ -5,7 +5,11 @@ The record is written by `pytest --record-durations tests/durations.json`: a run
 teardown seconds per test, merged into the record. A test the record does not hold is not in the tier,
 so a new test joins it only once it has been measured. A module- or session-scoped fixture (a shared
 training run) is paid by whichever test asks first, so a test's cost counts each such fixture it
-needs, at the most any of its users paid to set up, until a test already in the tier has paid it."""
+needs, at the most any of its users paid to set up, until a test already in the tier has paid it.
+
+The same record checks each test's timeout (pytest-timeout's, which catches a hang): a test that takes
+more than TIMEOUT_SHARE of its timeout when recorded is one slower CI run away from being killed as
+if it had hung (`pytest --collect-only --show-timeouts`, tests/test_tiers.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ DURATIONS = Path(__file__).with_name("durations.json")
 # Recorded seconds the tier may add up to. The record is taken with 2 xdist workers, so the tier takes
 # about half of this on the development VM, plus collection (docs/development.md has the measured time).
 FAST_BUDGET_S = 200.0
+# The share of its timeout a test may take when recorded: CI's runs of the same suite have taken from
+# two thirds to one and a half times the record's seconds.
+TIMEOUT_SHARE = 0.5
 
 
 def load_record(path: Path = DURATIONS) -> dict[str, dict]:
@@ -31,6 +38,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="merge each test's setup, call and teardown seconds into PATH (the fast tier's record: "
         "tests/durations.json)",
+    )
+    parser.addoption(
+        "--show-timeouts",
+        action="store_true",
+        help="print each collected test's node id and timeout in seconds (with --collect-only)",
     )
 
 
@@ -113,10 +125,40 @@ def fast_tier(record: dict[str, dict], budget: float) -> set[str]:
     return chosen
 
 
+def timeout_s(item: pytest.Item) -> float:
+    """The seconds pytest-timeout gives `item`: its closest `timeout` mark's, else --timeout's, else the
+    ini's (0: none)."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None:
+        value = mark.args[0] if mark.args else mark.kwargs.get("timeout", 0)
+    else:
+        value = item.config.getoption("timeout", None) or item.config.getini("timeout") or 0
+    return float(value or 0)
+
+
+def at_risk(record: dict[str, dict], timeouts: dict[str, float]) -> list[str]:
+    """The tests whose recorded seconds (setup, call and teardown, as the timeout counts them) exceed
+    TIMEOUT_SHARE of their timeout: one line each, with the numbers."""
+    found = []
+    for nodeid, limit in sorted(timeouts.items()):
+        entry = record.get(nodeid)
+        if entry is None or limit <= 0:
+            continue
+        took = sum(entry.get(phase, 0.0) for phase in ("setup", "call", "teardown"))
+        if took > TIMEOUT_SHARE * limit:
+            found.append(f"{nodeid}: {took:.0f} s recorded of a {limit:.0f} s timeout")
+    return found
+
+
 def mark_fast(items: list[pytest.Item]) -> None:
-    """Marks the tier's tests, and has each test's report carry its broad fixtures for the record."""
+    """Marks the tier's tests, and has each test's report carry its broad fixtures for the record; with
+    --show-timeouts prints each test's timeout."""
     chosen = fast_tier(load_record(), FAST_BUDGET_S)
+    shown = items[0].config if items and items[0].config.getoption("--show-timeouts") else None
+    reporter = shown.pluginmanager.get_plugin("terminalreporter") if shown is not None else None
     for item in items:
+        if reporter is not None:
+            reporter.write_line(f"timeout {timeout_s(item):g} {item.nodeid}")
         item.user_properties.append(("fixtures", broad_fixtures(item)))
         if item.nodeid in chosen:
             item.add_marker(pytest.mark.fast)
