@@ -6,7 +6,7 @@
 PYTHON ?= python3
 # The suite in 2 pytest-xdist workers, a test file per worker at a time (files share fixtures): much
 # of its time is waiting (signals, timeouts, process start-up), so 2 workers on 2 cores overlap it.
-# Files go out longest first (tests/conftest.py FILE_SECONDS), not xdist's most-tests-first.
+# Files go out longest first as last recorded (tests/tiers.py), not xdist's most-tests-first.
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 VENV ?= .venv
 PY := $(VENV)/bin/python

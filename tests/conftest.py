@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from .tiers import mark_fast, pytest_addoption, pytest_configure  # noqa: F401 (hooks pytest finds here)
+from .tiers import longest_files_first, mark_fast, pytest_addoption, pytest_configure  # noqa: F401 (hooks)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,41 +43,8 @@ PARITY = [*QUICK, f"trainer.max_steps={STEPS}", "trainer.batch_size=64"]
 PARITY_STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
 
 
-# Seconds each test file took in one full run on the development VM (2026-11-25, `-n 2`, the pytest
-# phase 5 min 36 s; files under 10 s left out). pytest-xdist hands out whole files (`--dist loadfile`,
-# Makefile) in collection order (`--no-loadscope-reorder`), so the longest start first and the short
-# ones fill in at the end. xdist's own order (most tests first) started test_bench (3 tests, 150 s on
-# a slower VM) last, on one worker alone.
-FILE_SECONDS = {
-    "test_nd": 240,  # with test_fsdp, test_pipeline, test_compare beside it (-n 2), 2026-11-26, load 2
-    "test_gpt_parity": 182,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by others (load 6)
-    "test_docs": 122,  # measured alone (-p no:xdist) on 2026-11-25, the VM loaded by other runs (load 5)
-    "test_published_record": 150,  # every row predicted again: about 110 s alone, 2026-11-28
-    "test_faults": 108,
-    "test_runs": 87,
-    "test_faults_restarts": 85,
-    "test_bench": 76,  # +60 s since for ac_bench.py's smoke run (measured alone, 2026-11-26, load 4)
-    "test_activation_checkpointing": 140,  # measured alone on 2026-11-26, load 4
-    "test_local_sgd_diloco": 68,  # measured alone (-p no:xdist) on 2026-11-26, load 3-5
-    "test_lm": 47,  # measured alone (-p no:xdist) on 2026-11-26, the VM loaded by other runs (load 4.5)
-    "test_moe": 120,  # measured alone (-p no:xdist) on 2026-12-07, load 2: 118 s
-    "test_compare": 39,
-    "test_memory_model": 36,
-    "test_faults_directories": 35,
-    "test_architecture": 33,
-    "test_ps": 32,
-    "test_workloads": 32,
-    "test_training": 31,
-    "test_pipeline": 18,
-    "test_fsdp": 17,
-    "test_zero_and_comm_hooks": 15,
-    "test_cli": 13,
-    "test_own_model": 12,
-}
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.stem, 0))  # stable: a file's tests stay together
+    longest_files_first(items)
     mark_fast(items)
 
 

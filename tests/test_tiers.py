@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .conftest import REPO
-from .tiers import FAST_BUDGET_S, TIMEOUT_SHARE, at_risk, fast_tier, load_record
+from .tiers import FAST_BUDGET_S, TIMEOUT_SHARE, at_risk, fast_tier, file_seconds, load_record
 
 
 def entry(call: float, setup: float = 0.0, fixtures: list[str] | None = None) -> dict:
@@ -116,10 +116,11 @@ def test_a_test_that_takes_over_its_share_of_its_timeout_is_named_with_its_numbe
     assert at_risk(record, {**timeouts, "t::close": 322.0}) == []
 
 
-def test_every_test_s_recorded_seconds_leave_a_margin_under_its_timeout() -> None:
-    """A test that took most of its timeout when recorded fails CI on a slower run as if it had hung
-    (the memory model's runs, 279 s of 300 when recorded, did). Split such a test, or give it a timeout
-    its work needs; the timeouts are as collected now (--show-timeouts), the seconds as recorded."""
+def test_the_suite_runs_longest_file_first_and_every_test_has_a_margin_under_its_timeout() -> None:
+    """The suite is collected in the order xdist hands out files: longest first, as recorded. A test that
+    took most of its timeout when recorded fails CI on a slower run as if it had hung (the memory
+    model's runs, 279 s of 300 when recorded, did). Split such a test, or give it a timeout its work
+    needs; the timeouts are as collected now (--show-timeouts), the seconds as recorded."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--show-timeouts"],
         cwd=REPO,
@@ -130,6 +131,11 @@ def test_every_test_s_recorded_seconds_leave_a_margin_under_its_timeout() -> Non
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     shown = [line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("timeout ")]
     timeouts = {nodeid: float(seconds) for seconds, nodeid in shown}
+    # collected longest file first, as recorded (xdist hands them out in this order)
+    files = list(dict.fromkeys(nodeid.split("::")[0] for _, nodeid in shown))
+    seconds = file_seconds(load_record())
+    assert files[0] == max(seconds, key=seconds.__getitem__)
+    assert [seconds.get(f, 0.0) for f in files] == sorted((seconds.get(f, 0.0) for f in files), reverse=True)
     assert (
         len(timeouts) > 1000
         and timeouts["tests/test_tiers.py::test_the_tier_is_the_same_whatever_is_collected"] == 300

@@ -7,7 +7,11 @@ so a new test joins it only once it has been measured. A module- or session-scop
 training run) is paid by whichever test asks first, so a test's cost counts each such fixture it
 needs, at the most any of its users paid to set up, until a test already in the tier has paid it.
 
-The same record checks each test's timeout (pytest-timeout's, which catches a hang): a test that takes
+The same record orders the suite: pytest-xdist hands out whole files (`--dist loadfile`, Makefile) in
+collection order (`--no-loadscope-reorder`), so the files that took longest go first and the short ones
+fill in at the end, on whichever worker is free.
+
+And it checks each test's timeout (pytest-timeout's, which catches a hang): a test that takes
 more than TIMEOUT_SHARE of its timeout when recorded is one slower CI run away from being killed as
 if it had hung (`pytest --collect-only --show-timeouts`, tests/test_tiers.py)."""
 
@@ -123,6 +127,23 @@ def fast_tier(record: dict[str, dict], budget: float) -> set[str]:
             paid.update(new)
             total += cost
     return chosen
+
+
+def file_seconds(record: dict[str, dict]) -> dict[str, float]:
+    """Each test file's recorded seconds (its path, as node ids begin), all its tests' phases together."""
+    seconds: dict[str, float] = {}
+    for nodeid, entry in record.items():
+        path = nodeid.split("::", 1)[0]
+        took = sum(entry.get(phase, 0.0) for phase in ("setup", "call", "teardown"))
+        seconds[path] = seconds.get(path, 0.0) + took
+    return seconds
+
+
+def longest_files_first(items: list[pytest.Item]) -> None:
+    """Orders `items` by their file's recorded seconds, longest first; a file's tests stay together and in
+    order (a stable sort), and files the record lacks go last."""
+    seconds = file_seconds(load_record())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))
 
 
 def timeout_s(item: pytest.Item) -> float:
