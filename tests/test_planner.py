@@ -20,6 +20,10 @@ from ddpexp.predict import validation
 
 from .conftest import run_here
 
+# `ddpexp plan` runs in a process of its own that run_here stops at 900 s (a hang); the suite's 300 s
+# would stop a search that a slower run only slowed (one took 145 s of 300 in CI, 82 s the run before).
+pytestmark = pytest.mark.timeout(900)
+
 GPT = ["model=gpt_small", "data=synthetic_tokens", "task=lm", "optim=adamw", "trainer.precision=bf16"]
 
 
