@@ -22,7 +22,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from .tiers import longest_files_first, mark_fast, pytest_addoption, pytest_configure  # noqa: F401 (hooks)
+from .tiers import (  # noqa: F401 (pytest_addoption and pytest_configure: hooks pytest finds here)
+    load_record,
+    longest_files_first,
+    mark_fast,
+    pytest_addoption,
+    pytest_configure,
+    show_timeouts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,8 +51,10 @@ PARITY_STRATEGIES = ["single", "dp", "ddp", "ddp_mp", "naive_allreduce"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    longest_files_first(items)
-    mark_fast(items)
+    record = load_record()
+    longest_files_first(items, record)
+    mark_fast(items, record)
+    show_timeouts(items)
 
 
 class Result:

@@ -409,9 +409,8 @@ RUN_PAGES = [p for p in pages() if any(b.runs for b in blocks(p))]
 def _page(page: Path) -> Any:
     """The page as a test case: each block is stopped at BLOCK_TIMEOUT_S (a hang), so the page's timeout
     is theirs together; the suite's default would stop a page of several long blocks that all work."""
-    runs = sum(
-        max(1, prepared(b).count("\n$ ") + prepared(b).startswith("$ ")) for b in blocks(page) if b.runs
-    )
+    # a console block runs each of its `$ ` lines in a shell of its own
+    runs = sum(max(1, len(command_lines(b))) if b.lang == "console" else 1 for b in blocks(page) if b.runs)
     return pytest.param(
         page, id=str(page.relative_to(REPO)), marks=pytest.mark.timeout(BLOCK_TIMEOUT_S * runs)
     )

@@ -129,20 +129,24 @@ def fast_tier(record: dict[str, dict], budget: float) -> set[str]:
     return chosen
 
 
+def recorded_s(entry: dict) -> float:
+    """A test's recorded seconds: setup, call and teardown together, as its timeout counts them."""
+    return sum(entry.get(phase, 0.0) for phase in ("setup", "call", "teardown"))
+
+
 def file_seconds(record: dict[str, dict]) -> dict[str, float]:
-    """Each test file's recorded seconds (its path, as node ids begin), all its tests' phases together."""
+    """Each test file's recorded seconds (its path, as node ids begin), all its tests together."""
     seconds: dict[str, float] = {}
     for nodeid, entry in record.items():
         path = nodeid.split("::", 1)[0]
-        took = sum(entry.get(phase, 0.0) for phase in ("setup", "call", "teardown"))
-        seconds[path] = seconds.get(path, 0.0) + took
+        seconds[path] = seconds.get(path, 0.0) + recorded_s(entry)
     return seconds
 
 
-def longest_files_first(items: list[pytest.Item]) -> None:
+def longest_files_first(items: list[pytest.Item], record: dict[str, dict]) -> None:
     """Orders `items` by their file's recorded seconds, longest first; a file's tests stay together and in
     order (a stable sort), and files the record lacks go last."""
-    seconds = file_seconds(load_record())
+    seconds = file_seconds(record)
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))
 
 
@@ -158,28 +162,32 @@ def timeout_s(item: pytest.Item) -> float:
 
 
 def at_risk(record: dict[str, dict], timeouts: dict[str, float]) -> list[str]:
-    """The tests whose recorded seconds (setup, call and teardown, as the timeout counts them) exceed
-    TIMEOUT_SHARE of their timeout: one line each, with the numbers."""
+    """The tests whose recorded seconds exceed TIMEOUT_SHARE of their timeout: one line each, with the
+    numbers."""
     found = []
     for nodeid, limit in sorted(timeouts.items()):
         entry = record.get(nodeid)
         if entry is None or limit <= 0:
             continue
-        took = sum(entry.get(phase, 0.0) for phase in ("setup", "call", "teardown"))
+        took = recorded_s(entry)
         if took > TIMEOUT_SHARE * limit:
             found.append(f"{nodeid}: {took:.0f} s recorded of a {limit:.0f} s timeout")
     return found
 
 
-def mark_fast(items: list[pytest.Item]) -> None:
-    """Marks the tier's tests, and has each test's report carry its broad fixtures for the record; with
-    --show-timeouts prints each test's timeout."""
-    chosen = fast_tier(load_record(), FAST_BUDGET_S)
-    shown = items[0].config if items and items[0].config.getoption("--show-timeouts") else None
-    reporter = shown.pluginmanager.get_plugin("terminalreporter") if shown is not None else None
+def show_timeouts(items: list[pytest.Item]) -> None:
+    """With --show-timeouts, a line per test: `timeout SECONDS NODEID`."""
+    if not items or not items[0].config.getoption("--show-timeouts"):
+        return
+    reporter = items[0].config.pluginmanager.get_plugin("terminalreporter")
     for item in items:
-        if reporter is not None:
-            reporter.write_line(f"timeout {timeout_s(item):g} {item.nodeid}")
+        reporter.write_line(f"timeout {timeout_s(item):g} {item.nodeid}")
+
+
+def mark_fast(items: list[pytest.Item], record: dict[str, dict]) -> None:
+    """Marks the tier's tests, and has each test's report carry its broad fixtures for the record."""
+    chosen = fast_tier(record, FAST_BUDGET_S)
+    for item in items:
         item.user_properties.append(("fixtures", broad_fixtures(item)))
         if item.nodeid in chosen:
             item.add_marker(pytest.mark.fast)
